@@ -1,0 +1,229 @@
+"""The `slipstream` command line: argument parsing and printing only; the work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXAMPLES = {
+    "train": """examples:
+  slipstream train --workload gpt-stdlib --size tiny --recipe baseline --steps 50 --json out.json
+  slipstream train --recipe baseline --set precision.dtype=bf16 --set shapes.max_len=512 --steps 200
+  slipstream train --steps 400 --checkpoint-dir runs/a --checkpoint-every 50     # then add --resume
+""",
+    "doctor": """examples:
+  slipstream doctor
+  slipstream doctor --json doctor.json --no-compile
+""",
+    "data": """examples:
+  slipstream data --workload gpt-stdlib --max-len 1024
+  slipstream data --max-len 512 --json corpus.json
+""",
+    "recipe": """examples:
+  slipstream recipe baseline                  # print a preset as TOML
+  slipstream recipe baseline+precision.dtype=bf16 --save my.toml
+  slipstream recipe --fields                  # every field, its choices and what it does
+""",
+}
+
+
+def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if not path:
+        return
+    from .recipe import atomic_write_text
+
+    atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def _recipe_from_args(args: argparse.Namespace):
+    from .presets import resolve_recipe
+
+    recipe = resolve_recipe(args.recipe)
+    if args.set:
+        recipe = recipe.override(*args.set)
+    return recipe
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .train import train
+
+    recipe = _recipe_from_args(args)
+    result = train(
+        args.workload,
+        recipe,
+        args.steps,
+        size=args.size,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        progress=not args.no_progress,
+    )
+    payload = result.to_dict()
+    _write_json(args.json, payload)
+    m = result.metrics
+    table = Table(title=f"{result.workload} ({result.size}, {result.parameters:,} params) · recipe {recipe.name}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("steps", f"{result.steps}"),
+        ("final train loss", f"{result.loss[-1]:.4f}"),
+        *[(f"val loss @ step {v['step']}", f"{v['loss']:.4f}") for v in result.val_loss[:1] + result.val_loss[-1:]],
+        ("real tokens", f"{m.real_tokens:,}"),
+        ("padded tokens", f"{m.padded_tokens:,}"),
+        ("padding waste", f"{m.padding_waste:.3f}"),
+        ("real tokens/s", f"{m.real_tokens_per_s:,.0f}"),
+        ("step time (median)", f"{m.step_time_s * 1e3:.1f} ms"),
+        ("first step", f"{m.first_step_s:.2f} s"),
+        ("data wait (total)", f"{m.data_wait_s:.2f} s"),
+        ("distinct shapes", f"{m.distinct_shapes}"),
+        ("peak memory", f"{m.peak_memory_bytes / 2**20:,.0f} MiB ({m.peak_memory_kind})"),
+        ("device · precision", f"{m.device} · {m.precision}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import diagnose
+
+    report = diagnose(check_compile=not args.no_compile)
+    _write_json(args.json, report)
+    for k, v in report.items():
+        if k != "checks":
+            print(f"{k:18} {v}")
+    for name, c in report["checks"].items():
+        print(f"{name:18} {'ok  ' if c['ok'] else 'NO  '} {c['detail']}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from .recipe import ShapesConfig
+    from .shapes import SHAPE_POLICIES, ShapedLoader
+    from .workloads import get_workload
+    from .workloads.corpus import LengthStats
+
+    wl = get_workload(args.workload)
+    data = wl.load_data()
+    out: dict[str, Any] = {"workload": wl.name, "max_len": args.max_len, "splits": {}, "padding_waste": {}}
+    for split, lengths in (("train", data.train_lengths), ("validation", data.validation_lengths)):
+        out["splits"][split] = LengthStats.of(lengths).__dict__
+    print(f"{wl.name}: {wl.description}")
+    for split, s in out["splits"].items():
+        print(
+            f"  {split:10} {s['documents']:6d} docs  {s['total_tokens']:>10,d} tokens  "
+            f"median {s['median']:.0f}  p90 {s['p90']:.0f}  p99 {s['p99']:.0f}  max {s['max']}"
+        )
+    print(f"padding waste over one training epoch at max_len {args.max_len} (tokens_per_batch {args.tokens_per_batch}):")
+    for mode in sorted(SHAPE_POLICIES):
+        cfg = ShapesConfig(mode=mode, max_len=args.max_len, tokens_per_batch=args.tokens_per_batch)
+        loader = ShapedLoader(data.train, cfg, lengths=data.train_lengths, pad_id=data.pad_id)
+        waste = loader.padding_waste()
+        out["padding_waste"][mode] = waste
+        print(f"  {mode:10} {waste:.3f}  ({len(loader)} batches)")
+    _write_json(args.json, out)
+    return 0
+
+
+def cmd_recipe(args: argparse.Namespace) -> int:
+    from .presets import PRESETS
+    from .recipe import describe_fields, save_recipe
+
+    if args.fields:
+        for path, tp, default, doc in describe_fields():
+            print(f"{path:28} {tp:40} default {default!r}\n    {doc}")
+        return 0
+    if not args.spec:
+        for name, fn in sorted(PRESETS.items()):
+            print(f"{name:12} {(fn.__doc__ or '').strip()}")
+        return 0
+    args.recipe = args.spec
+    recipe = _recipe_from_args(args)
+    if args.save:
+        print(f"wrote {save_recipe(recipe, args.save)}")
+    else:
+        import tomli_w
+
+        print(tomli_w.dumps(recipe.to_dict()), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipstream",
+        description="Make PyTorch training faster through software alone, and measure every gain.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="run `slipstream COMMAND --help` for each command's options and examples",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help_, description=help_, epilog=EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+
+    p = add("train", "train a built-in workload under a recipe and report its metrics")
+    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
+    p.add_argument("--size", default="tiny", help="model size: tiny, small, gpt2-124m (default: tiny)")
+    p.add_argument("--recipe", default="baseline", help="preset, .toml/.json file, or preset+section.field=value")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override one recipe field")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    p.add_argument("--eval-every", type=int, default=50, help="validation every N steps, 0 = never (default: 50)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation (default: 4)")
+    p.add_argument("--checkpoint-dir", help="folder for checkpoint.pt (written atomically)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's checkpoint")
+    p.add_argument("--json", help="write results (per-step loss, metrics) to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_train)
+
+    p = add("doctor", "report torch, device, bf16/fp16 support, whether compile and Triton work")
+    p.add_argument("--json", help="write the report to this file")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile check (slow on first use)")
+    p.set_defaults(fn=cmd_doctor)
+
+    p = add("data", "length histogram of a workload's corpus and the padding waste of each shape policy")
+    p.add_argument("--workload", default="gpt-stdlib")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--tokens-per-batch", type=int, default=8192)
+    p.add_argument("--json", help="write the statistics to this file")
+    p.set_defaults(fn=cmd_data)
+
+    p = add("recipe", "list presets, show or save a recipe, or list every recipe field")
+    p.add_argument("spec", nargs="?", help="preset, file, or preset+section.field=value")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override one recipe field")
+    p.add_argument("--save", help="write the recipe to this .toml or .json file")
+    p.add_argument("--fields", action="store_true", help="list every field with its type and docstring")
+    p.set_defaults(fn=cmd_recipe)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError
+    from .recipe import RecipeError
+    from .workloads.corpus import CorpusError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (RecipeError, CheckpointError, CorpusError, FloatingPointError) as err:
+        print(f"slipstream {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"slipstream {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

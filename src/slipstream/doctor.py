@@ -1,0 +1,70 @@
+"""`slipstream doctor`: what this machine can do, each claim checked by running it."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def _try(fn) -> tuple[bool, str]:
+    try:
+        return True, str(fn() or "ok")
+    except Exception as err:  # doctor reports failures, it never raises them
+        return False, f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+
+
+def _bf16_matmul() -> str:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
+    (a @ a).float().sum().item()
+    return dev
+
+
+def _fp16_supported() -> str:
+    if not torch.cuda.is_available():
+        raise RuntimeError("fp16 training needs CUDA here (use bf16 on CPU)")
+    a = torch.randn(64, 64, device="cuda", dtype=torch.float16)
+    (a @ a).float().sum().item()
+    return "cuda"
+
+
+def _compile_works() -> str:
+    t0 = time.perf_counter()
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+    x = torch.randn(16)
+    torch.testing.assert_close(fn(x), torch.sin(x) * 2 + 1)
+    return f"compiled a function in {time.perf_counter() - t0:.1f} s"
+
+
+def _triton() -> str:
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError("not installed: pip install 'slipstream[gpu]'")
+    import triton
+
+    where = "GPU" if torch.cuda.is_available() else "CPU only under TRITON_INTERPRET=1"
+    return f"triton {triton.__version__} ({where})"
+
+
+def diagnose(check_compile: bool = True) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    report: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda_available": cuda,
+        "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({torch.get_num_threads()} threads)",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    if cuda:
+        report["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        report["fp8_supported"] = torch.cuda.get_device_capability(0) >= (8, 9)
+    checks = {"bf16": _try(_bf16_matmul), "fp16": _try(_fp16_supported), "triton": _try(_triton)}
+    if check_compile:
+        checks["torch.compile"] = _try(_compile_works)
+    report["checks"] = {k: {"ok": ok, "detail": detail} for k, (ok, detail) in checks.items()}
+    return report

@@ -1,0 +1,129 @@
+"""MLP activations with the gating multiply fused: SwiGLU, GeGLU(tanh), and plain GELU(tanh).
+
+Unfused, ``silu(gate) * up`` writes ``silu(gate)`` to memory, reads it back for the multiply, and
+autograd keeps it for backward. Fused, forward reads gate and up once and writes the product once;
+backward recomputes the activation from ``gate`` (cheap arithmetic) instead of storing it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import reference
+from .dispatch import check_launchable, new_output, resolve_backend, triton_lang
+
+BLOCK = 1024  # elementwise tile
+SILU, GELU_TANH = 0, 1
+
+
+@functools.cache
+def _kernels():
+    triton, tl = triton_lang()
+
+    @triton.jit
+    def act_and_grad(g, ACT: tl.constexpr):
+        """Activation a(g) and its derivative a'(g), in fp32."""
+        if ACT == 0:  # silu: g * sigmoid(g)
+            s = tl.sigmoid(g)
+            a = g * s
+            da = s * (1.0 + g * (1.0 - s))
+        else:  # gelu tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = k (g + 0.044715 g^3)
+            k = 0.7978845608028654  # sqrt(2 / pi)
+            s = tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g))
+            a = g * s
+            da = s + 2.0 * k * g * s * (1.0 - s) * (1.0 + 3.0 * 0.044715 * g * g)
+        return a, da
+
+    @triton.jit
+    def act_fwd(G, U, Y, n, ACT: tl.constexpr, HAS_UP: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        y, _ = act_and_grad(g, ACT)
+        if HAS_UP:
+            y = y * tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def act_bwd(G, U, DY, DG, DU, n, ACT: tl.constexpr, HAS_UP: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        a, da = act_and_grad(g, ACT)
+        if HAS_UP:
+            u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DU + offs, (dy * a).to(DU.dtype.element_ty), mask=mask)
+            dy = dy * u
+        tl.store(DG + offs, (dy * da).to(DG.dtype.element_ty), mask=mask)
+
+    return act_fwd, act_bwd
+
+
+class TritonGatedActivation(torch.autograd.Function):
+    """``act(gate) * up`` (or ``act(gate)`` when ``up`` is None) with the activation recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, gate, up, act: int):
+        check_launchable(gate)
+        gate = gate.contiguous()
+        up = None if up is None else up.contiguous()
+        y = new_output(gate.shape, gate.dtype, gate.device)
+        n = gate.numel()
+        if n:
+            act_fwd, _ = _kernels()
+            act_fwd[(triton_cdiv(n, BLOCK),)](gate, up, y, n, ACT=act, HAS_UP=up is not None, BLOCK=BLOCK)
+        ctx.save_for_backward(gate, up)
+        ctx.act = act
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dy = dy.contiguous()
+        dg = new_output(gate.shape, gate.dtype, gate.device)
+        du = None if up is None else new_output(up.shape, up.dtype, up.device)
+        n = gate.numel()
+        if n:
+            _, act_bwd = _kernels()
+            act_bwd[(triton_cdiv(n, BLOCK),)](
+                gate, up, dy, dg, du, n, ACT=ctx.act, HAS_UP=up is not None, BLOCK=BLOCK
+            )
+        return dg, du, None
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_pair(gate, up):
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"gate and up must match in shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
+            f"and {tuple(up.shape)} {up.dtype}"
+        )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``silu(gate) * up``."""
+    _check_pair(gate, up)
+    if resolve_backend(backend, gate.device) == "torch":
+        return reference.swiglu(gate, up)
+    return TritonGatedActivation.apply(gate, up, SILU)
+
+
+def geglu_tanh(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``gelu_tanh(gate) * up``."""
+    _check_pair(gate, up)
+    if resolve_backend(backend, gate.device) == "torch":
+        return reference.geglu_tanh(gate, up)
+    return TritonGatedActivation.apply(gate, up, GELU_TANH)
+
+
+def gelu_tanh(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")``."""
+    if resolve_backend(backend, x.device) == "torch":
+        return reference.gelu_tanh(x)
+    return TritonGatedActivation.apply(x, None, GELU_TANH)

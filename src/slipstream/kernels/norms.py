@@ -1,0 +1,227 @@
+"""RMSNorm, LayerNorm and their fused residual-add variants: one Triton kernel pair for all four.
+
+The variants differ only in compile-time flags (``IS_RMS``, ``HAS_RES``, ``HAS_W``, ``HAS_B``), so
+there is one kernel to get right instead of four near-copies. Forward: one program per row, fp32
+statistics, saves ``rstd`` (and ``mean``) per row. Backward: a fixed number of persistent programs,
+each looping over a contiguous block of rows and keeping its weight/bias-gradient partial sums in
+fp32 registers; the few partials are summed by torch (no [rows, hidden] fp32 buffer as in Liger).
+
+The fused residual add returns ``(norm(x + residual), x + residual)``: the pre-norm transformer block
+needs both, and computing them in one pass saves a full read and write of the residual stream.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import reference
+from .dispatch import check_launchable, new_output, next_power_of_2, num_programs, resolve_backend, triton_lang
+
+MAX_HIDDEN = 65536  # one row must fit one tile; wider rows would need a two-pass kernel
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+@functools.cache
+def _kernels():
+    triton, tl = triton_lang()
+
+    @triton.jit
+    def norm_fwd(
+        X, R, Y, H, W, B, MEAN, RSTD,
+        x_stride, r_stride, y_stride, h_stride,
+        n_cols, eps,
+        IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x += tl.load(R + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            # normalise the rounded sum, exactly what the unfused `norm(x + r)` sees
+            h = x.to(H.dtype.element_ty)
+            tl.store(H + row * h_stride + cols, h, mask=mask)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=0) / n_cols
+            tl.store(MEAN + row, mean)
+            xc = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+        tl.store(RSTD + row, rstd)
+        y = xc * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * y_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def norm_bwd(
+        X, DY, DH, DX, W, MEAN, RSTD, DW_PART, DB_PART,
+        x_stride, dy_stride, dh_stride, dx_stride,
+        n_rows, n_cols, rows_per_program,
+        IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        if HAS_W:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        db = tl.zeros([BLOCK], dtype=tl.float32)
+        row_start = pid * rows_per_program
+        row_end = tl.minimum(row_start + rows_per_program, n_rows)
+        for r in range(row_start, row_end):
+            row = r.to(tl.int64)
+            x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            if IS_RMS:
+                xhat = x * rstd
+            else:
+                xhat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+            wdy = dy
+            if HAS_W:
+                wdy = dy * w
+            # d/dx of (x - mean) * rstd, contracted with wdy; masked columns are 0 in every term
+            c1 = tl.sum(xhat * wdy, axis=0) / n_cols
+            if IS_RMS:
+                dx = (wdy - xhat * c1) * rstd
+            else:
+                c2 = tl.sum(wdy, axis=0) / n_cols
+                dx = (wdy - xhat * c1 - c2) * rstd
+            if HAS_DRES:
+                # gradient that reached the residual-stream output h directly
+                dx += tl.load(DH + row * dh_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row * dx_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_W:
+                dw += dy * xhat
+            if HAS_B:
+                db += dy
+        # every program writes its partial rows, even one that got no rows (zeros)
+        if HAS_W:
+            tl.store(DW_PART + pid * n_cols + cols, dw, mask=mask)
+        if HAS_B:
+            tl.store(DB_PART + pid * n_cols + cols, db, mask=mask)
+
+    return norm_fwd, norm_bwd
+
+
+class TritonNorm(torch.autograd.Function):
+    """Autograd for ``(y, h) = norm(x [+ residual])``; ``h`` is None without a residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, is_rms):
+        check_launchable(x)
+        shape = x.shape
+        n_cols = shape[-1]
+        if n_cols > MAX_HIDDEN:
+            raise ValueError(f"Triton norm supports hidden size up to {MAX_HIDDEN}, got {n_cols}")
+        x2 = x.reshape(-1, n_cols).contiguous()
+        r2 = None if residual is None else residual.reshape(-1, n_cols).contiguous()
+        n_rows = x2.shape[0]
+        block = next_power_of_2(n_cols)
+        y = new_output(x2.shape, x.dtype, x.device)
+        h = None if r2 is None else new_output(x2.shape, x.dtype, x.device)
+        rstd = new_output((n_rows,), torch.float32, x.device)
+        mean = None if is_rms else new_output((n_rows,), torch.float32, x.device)
+        if n_rows:
+            norm_fwd, _ = _kernels()
+            norm_fwd[(n_rows,)](
+                x2, r2, y, h, weight, bias, mean, rstd,
+                x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0), 0 if h is None else h.stride(0),
+                n_cols, eps,
+                IS_RMS=is_rms, HAS_RES=r2 is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+                BLOCK=block, num_warps=_num_warps(block),
+            )  # fmt: skip
+        ctx.save_for_backward(x2 if h is None else h, weight, bias, mean, rstd)
+        ctx.meta = (shape, is_rms, residual is not None, block)
+        if h is None:
+            return y.view(shape)
+        return y.view(shape), h.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        xin, weight, bias, mean, rstd = ctx.saved_tensors
+        shape, is_rms, has_res, block = ctx.meta
+        n_rows, n_cols = xin.shape
+        dy = dy.reshape(-1, n_cols).contiguous()
+        dh = None if (dh is None or not has_res) else dh.reshape(-1, n_cols).contiguous()
+        dx = new_output(xin.shape, xin.dtype, xin.device)
+        programs = max(1, min(n_rows, num_programs(xin.device)))
+        rows_per = -(-n_rows // programs)
+        dw_part = None if weight is None else new_output((programs, n_cols), torch.float32, xin.device)
+        db_part = None if bias is None else new_output((programs, n_cols), torch.float32, xin.device)
+        if n_rows:
+            _, norm_bwd = _kernels()
+            norm_bwd[(programs,)](
+                xin, dy, dh, dx, weight, mean, rstd, dw_part, db_part,
+                xin.stride(0), dy.stride(0), 0 if dh is None else dh.stride(0), dx.stride(0),
+                n_rows, n_cols, rows_per,
+                IS_RMS=is_rms, HAS_DRES=dh is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+                BLOCK=block, num_warps=_num_warps(block),
+            )  # fmt: skip
+        dw = None if weight is None else dw_part.sum(0).to(weight.dtype)
+        db = None if bias is None else db_part.sum(0).to(bias.dtype)
+        dx = dx.view(shape)
+        # x and residual get the same gradient; a clone keeps their .grad tensors from aliasing
+        dres = None if not has_res else (dx.clone() if ctx.needs_input_grad[0] else dx)
+        return dx, dres, dw, db, None, None
+
+
+def _check(x, weight, bias, residual=None):
+    n = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must match x in shape and dtype, got {tuple(residual.shape)} {residual.dtype} "
+            f"vs {tuple(x.shape)} {x.dtype}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (n,):
+            raise ValueError(f"norm {name} must have shape ({n},) to match x's last dim, got {tuple(p.shape)}")
+
+
+def _rms_eps(x, eps):
+    # nn.RMSNorm's eps=None means the dtype's machine epsilon
+    return torch.finfo(x.dtype).eps if eps is None else eps
+
+
+def rms_norm(x, weight=None, eps: float | None = None, backend: str = "auto"):
+    """``F.rms_norm`` over the last dimension."""
+    _check(x, weight, None)
+    if resolve_backend(backend, x.device) == "torch":
+        return reference.rms_norm(x, weight, eps)
+    return TritonNorm.apply(x, None, weight, None, _rms_eps(x, eps), True)
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, backend: str = "auto"):
+    """``F.layer_norm`` over the last dimension."""
+    _check(x, weight, bias)
+    if resolve_backend(backend, x.device) == "torch":
+        return reference.layer_norm(x, weight, bias, eps)
+    return TritonNorm.apply(x, None, weight, bias, eps, False)
+
+
+def add_rms_norm(x, residual, weight=None, eps: float | None = None, backend: str = "auto"):
+    """``(rms_norm(x + residual), x + residual)`` in one pass."""
+    _check(x, weight, None, residual)
+    if resolve_backend(backend, x.device) == "torch":
+        return reference.add_rms_norm(x, residual, weight, eps)
+    return TritonNorm.apply(x, residual, weight, None, _rms_eps(x, eps), True)
+
+
+def add_layer_norm(x, residual, weight=None, bias=None, eps: float = 1e-5, backend: str = "auto"):
+    """``(layer_norm(x + residual), x + residual)`` in one pass."""
+    _check(x, weight, bias, residual)
+    if resolve_backend(backend, x.device) == "torch":
+        return reference.add_layer_norm(x, residual, weight, bias, eps)
+    return TritonNorm.apply(x, residual, weight, bias, eps, False)

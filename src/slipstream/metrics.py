@@ -1,0 +1,145 @@
+"""Step accounting with units in every field name.
+
+The loader reports each batch (real and padded tokens, time spent preparing it); `Session.step`
+closes the step. Nothing here reads device tensors, so accounting never forces a host sync.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepRecord:
+    step_time_s: float
+    data_wait_s: float
+    real_tokens: int
+    padded_tokens: int
+    shape: tuple[int, int] | None
+
+
+@dataclass
+class MetricsSummary:
+    steps: int
+    real_tokens: int
+    padded_tokens: int
+    padding_waste: float
+    real_tokens_per_s: float
+    step_time_s: float
+    """Median wall time of a step after the first (the first holds compilation and warm-up)."""
+    step_time_iqr_s: float
+    first_step_s: float
+    data_wait_s: float
+    """Total time the training thread waited for batches."""
+    distinct_shapes: int
+    recompiles: int
+    skipped_steps: int
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    device: str
+    precision: str
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak bytes: allocator peak on CUDA, process peak RSS on CPU (which includes everything)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
+
+
+class MetricsTracker:
+    def __init__(self, device: torch.device, precision: str):
+        self.device = device
+        self.precision = precision
+        self.records: list[StepRecord] = []
+        self.skipped_steps = 0
+        self.extra: dict[str, object] = {}
+        self._pending_wait = 0.0
+        self._pending_real = 0
+        self._pending_padded = 0
+        self._pending_shape: tuple[int, int] | None = None
+        self._last_step_end: float | None = None
+        self._graphs_after_first_step = 0
+
+    def on_batch(self, batch: object, wait_s: float) -> None:
+        if self._last_step_end is None:  # the first step starts when its batch was first asked for
+            self._last_step_end = time.perf_counter() - wait_s
+        self._pending_wait += wait_s
+        self._pending_real += int(getattr(batch, "real_tokens", 0))
+        self._pending_padded += int(getattr(batch, "padded_tokens", 0))
+        self._pending_shape = getattr(batch, "shape", None)
+
+    def start(self) -> None:
+        """Mark the start of the first step (else it is taken from the first batch's arrival)."""
+        self._last_step_end = time.perf_counter()
+
+    def end_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_step_end is None:
+            self._last_step_end = now
+        self.records.append(
+            StepRecord(
+                step_time_s=now - self._last_step_end,
+                data_wait_s=self._pending_wait,
+                real_tokens=self._pending_real,
+                padded_tokens=self._pending_padded,
+                shape=self._pending_shape,
+            )
+        )
+        if len(self.records) == 1:
+            self._graphs_after_first_step = _unique_graphs()
+        self._last_step_end = now
+        self._pending_wait = 0.0
+        self._pending_real = self._pending_padded = 0
+
+    def summary(self) -> MetricsSummary:
+        recs = self.records
+        real = sum(r.real_tokens for r in recs)
+        padded = sum(r.padded_tokens for r in recs)
+        steady = recs[1:] if len(recs) > 1 else recs
+        times = np.array([r.step_time_s for r in steady]) if steady else np.zeros(1)
+        steady_time = float(times.sum())
+        steady_real = sum(r.real_tokens for r in steady)
+        mem, kind = peak_memory(self.device)
+        q75, q25 = np.percentile(times, [75, 25])
+        return MetricsSummary(
+            steps=len(recs),
+            real_tokens=real,
+            padded_tokens=padded,
+            padding_waste=padded / (real + padded) if real + padded else 0.0,
+            real_tokens_per_s=steady_real / steady_time if steady_time > 0 else 0.0,
+            step_time_s=float(np.median(times)),
+            step_time_iqr_s=float(q75 - q25),
+            first_step_s=recs[0].step_time_s if recs else 0.0,
+            data_wait_s=float(sum(r.data_wait_s for r in recs)),
+            distinct_shapes=len({r.shape for r in recs if r.shape is not None}),
+            # Graphs dynamo compiled after the first step: each one is a recompilation for a new shape.
+            recompiles=max(0, _unique_graphs() - self._graphs_after_first_step) if len(recs) > 1 else 0,
+            skipped_steps=self.skipped_steps,
+            peak_memory_bytes=mem,
+            peak_memory_kind=kind,
+            device=str(self.device),
+            precision=self.precision,
+            extra=dict(self.extra),
+        )
+
+
+def _unique_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))

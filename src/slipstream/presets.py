@@ -1,0 +1,63 @@
+"""Named recipes, and the one place that turns a recipe *spec* into a Recipe.
+
+A spec is a preset name (`baseline`), a .toml/.json file, or either followed by `+field=value`
+overrides (`baseline+precision.dtype=bf16+shapes.max_len=512`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from .recipe import PrecisionConfig, Recipe, RecipeError, ShapesConfig, load_recipe
+
+PRESETS: dict[str, Callable[[], Recipe]] = {}
+
+
+def register_preset(name: str) -> Callable[[Callable[[], Recipe]], Callable[[], Recipe]]:
+    def decorator(fn: Callable[[], Recipe]) -> Callable[[], Recipe]:
+        if name in PRESETS:
+            raise ValueError(f"preset {name!r} is already registered")
+        PRESETS[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_preset("baseline")
+def baseline() -> Recipe:
+    """The naive pipeline: every sequence padded to max_len, fp32, eager."""
+    return Recipe(name="baseline", shapes=ShapesConfig(mode="pad_max"))
+
+
+@register_preset("pad-batch")
+def pad_batch() -> Recipe:
+    """Pad each batch only to its longest sequence: less waste, but a new shape almost every step."""
+    return Recipe(name="pad-batch", shapes=ShapesConfig(mode="pad_batch"))
+
+
+@register_preset("bf16")
+def bf16() -> Recipe:
+    """The baseline with bf16 autocast (fp32 master weights)."""
+    return Recipe(name="bf16", shapes=ShapesConfig(mode="pad_max"), precision=PrecisionConfig(dtype="bf16"))
+
+
+def get_preset(name: str) -> Recipe:
+    if name not in PRESETS:
+        raise RecipeError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]()
+
+
+def resolve_recipe(spec: str | Recipe) -> Recipe:
+    """Turn a preset name, recipe file, or `base+section.field=value+...` into a Recipe."""
+    if isinstance(spec, Recipe):
+        return spec
+    base, *overrides = spec.split("+")
+    if base.endswith((".toml", ".json")) or Path(base).exists():
+        recipe = load_recipe(base)
+    else:
+        recipe = get_preset(base)
+    if overrides:
+        recipe = replace(recipe.override(*overrides), name=spec)
+    return recipe

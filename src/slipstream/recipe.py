@@ -1,0 +1,407 @@
+"""The recipe: one description of which optimizations are on.
+
+Each component owns a nested frozen dataclass and receives only that part. Every field has a
+docstring under it (torchtitan style); `describe_fields()` reads them back for `--help` and docs.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import tempfile
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class RecipeError(ValueError):
+    """A recipe field has a value that cannot be used; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ShapesConfig:
+    mode: Literal["pad_max", "pad_batch", "bucket", "pack", "auto"] = "pad_max"
+    """How variable-length sequences become fixed tensors: pad every row to max_len, pad to the
+    longest in the batch, pad to planned length buckets, or pack documents into full rows."""
+
+    max_len: int = 1024
+    """Longest row in tokens (inputs and shifted labels both have this many positions)."""
+
+    tokens_per_batch: int = 8192
+    """Token budget per batch: batch size is chosen so batch * row_len <= tokens_per_batch."""
+
+    overflow: Literal["error", "truncate", "split"] = "truncate"
+    """What to do with a sequence longer than max_len: refuse, cut the tail, or cut it into pieces."""
+
+    buckets: int | Literal["auto"] = 8
+    """Number of length buckets for mode=bucket ("auto" picks it from a padding vs per-shape cost)."""
+
+    multiple_of: int = 8
+    """Round every planned row length up to a multiple of this (tensor-core and vector friendly)."""
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    dtype: Literal["fp32", "bf16", "fp16", "fp8", "auto"] = "fp32"
+    """Compute dtype under autocast; weights stay fp32 (master weights)."""
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    mode: Literal["off", "default", "max-autotune", "reduce-overhead"] = "off"
+    """torch.compile mode, or off for eager."""
+
+    scope: Literal["model", "blocks"] = "model"
+    """Compile the whole model, or each transformer block on its own (regional: faster compile)."""
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    ops: str | tuple[str, ...] = "off"
+    """Fused kernels to swap in: "off", "auto" (all that apply to the device), or a tuple of names."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer built by Session.build_optimizer and the built-in loop."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment coefficients."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value before each step (0 disables clipping)."""
+
+    impl: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """Optimizer kernel implementation; auto lets torch pick (foreach on most devices)."""
+
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many steps, then constant."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to run: auto picks cuda when a GPU is present, else cpu."""
+
+    seed: int = 0
+    """Seed for model init, data order and every RNG the session touches."""
+
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (needed for bit-exact resume on GPU; slower)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "custom"
+    """A label for reports; presets set it to their own name."""
+
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
+    """Shape policy: padding, bucketing, packing."""
+
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Numeric precision policy."""
+
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """torch.compile and CUDA graphs."""
+
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Fused kernels swapped into the model."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer, learning rate and gradient clipping."""
+
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Device, seeds and determinism."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    def override(self, *assignments: str) -> Recipe:
+        """Return a copy with `section.field=value` assignments applied (values parsed as TOML)."""
+        data = self.to_dict()
+        for assignment in assignments:
+            path, value = _parse_assignment(assignment)
+            _set_path(data, path, value)
+        return recipe_from_dict(data)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _is_literal(tp: Any) -> bool:
+    return get_origin(tp) is Literal
+
+
+def _check_value(path: str, tp: Any, value: Any) -> Any:
+    """Check `value` against the annotation `tp`; return it (lists become tuples)."""
+    origin = get_origin(tp)
+    if _is_literal(tp):
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise RecipeError(f"{path}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+        errors = []
+        for option in get_args(tp):
+            try:
+                return _check_value(path, option, value)
+            except RecipeError as err:
+                errors.append(str(err))
+        raise RecipeError(f"{path}={value!r} fits none of the allowed forms: " + "; ".join(errors))
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{path}={value!r} must be a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_check_value(f"{path}[{i}]", args[0], v) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise RecipeError(f"{path}={value!r} must have {len(args)} items")
+        return tuple(_check_value(f"{path}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{path}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{path}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{path}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{path}={value!r} must be a string")
+        return value
+    return value
+
+
+_RANGES: dict[str, tuple[float, float | None]] = {
+    "shapes.max_len": (2, None),
+    "shapes.tokens_per_batch": (1, None),
+    "shapes.multiple_of": (1, None),
+    "optimizer.lr": (0.0, None),
+    "optimizer.weight_decay": (0.0, None),
+    "optimizer.grad_clip": (0.0, None),
+    "optimizer.warmup_steps": (0, None),
+}
+
+
+def validate(recipe: Recipe) -> None:
+    hints = typing.get_type_hints(Recipe)
+    for f in fields(Recipe):
+        value = getattr(recipe, f.name)
+        if f.name == "name":
+            _check_value("name", str, value)
+            continue
+        section_type = hints[f.name]
+        if not isinstance(value, section_type):
+            raise RecipeError(f"{f.name} must be a {section_type.__name__}, got {type(value).__name__}")
+        section_hints = typing.get_type_hints(section_type)
+        for sf in fields(section_type):
+            path = f"{f.name}.{sf.name}"
+            checked = _check_value(path, section_hints[sf.name], getattr(value, sf.name))
+            if checked != getattr(value, sf.name) or type(checked) is not type(getattr(value, sf.name)):
+                object.__setattr__(value, sf.name, checked)
+            if path in _RANGES:
+                lo, hi = _RANGES[path]
+                if checked < lo or (hi is not None and checked > hi):
+                    bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+                    raise RecipeError(f"{path}={checked!r} is out of range; use a value {bound}")
+    k = recipe.shapes.buckets
+    if isinstance(k, int) and k < 1:
+        raise RecipeError(f"shapes.buckets={k!r} must be >= 1 or 'auto'")
+    ops = recipe.kernels.ops
+    if isinstance(ops, str) and ops not in ("off", "auto"):
+        raise RecipeError(f"kernels.ops={ops!r}: use 'off', 'auto' or a list of op names")
+
+
+# ----------------------------------------------------------------------------- (de)serialisation
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
+    """Build a Recipe from plain data, rejecting unknown sections and fields by name."""
+    if not isinstance(data, dict):
+        raise RecipeError("a recipe must be a table/object of sections")
+    hints = typing.get_type_hints(Recipe)
+    known = {f.name for f in fields(Recipe)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise RecipeError(f"unknown recipe section {key!r}; known: {', '.join(sorted(known))}")
+        if key == "name":
+            kwargs[key] = value
+            continue
+        section_type = hints[key]
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe section {key!r} must be a table of fields")
+        section_fields = {f.name for f in fields(section_type)}
+        for fname in value:
+            if fname not in section_fields:
+                raise RecipeError(
+                    f"unknown field {key}.{fname}; fields of {key}: {', '.join(sorted(section_fields))}"
+                )
+        section_hints = typing.get_type_hints(section_type)
+        coerced = {k: _check_value(f"{key}.{k}", section_hints[k], v) for k, v in value.items()}
+        kwargs[key] = section_type(**coerced)
+    return Recipe(**kwargs)
+
+
+def load_recipe(path: str | os.PathLike[str]) -> Recipe:
+    """Load a recipe from a .toml or .json file."""
+    p = Path(path)
+    if not p.exists():
+        raise RecipeError(f"recipe file {str(p)!r} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+        elif p.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise RecipeError(f"recipe file {str(p)!r} must end in .toml or .json")
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        raise RecipeError(f"recipe file {str(p)!r} is not valid {p.suffix[1:].upper()}: {err}") from err
+    if isinstance(data, dict) and "name" not in data:
+        data["name"] = p.stem
+    return recipe_from_dict(data)
+
+
+def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
+    """Write a recipe as .toml or .json atomically (temp file, then rename)."""
+    p = Path(path)
+    data = recipe.to_dict()
+    if p.suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    elif p.suffix == ".toml":
+        import tomli_w
+
+        text = tomli_w.dumps(data)
+    else:
+        raise RecipeError(f"recipe file {str(p)!r} must end in .toml or .json")
+    atomic_write_text(p, text)
+    return p
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _parse_assignment(assignment: str) -> tuple[list[str], Any]:
+    if "=" not in assignment:
+        raise RecipeError(f"override {assignment!r} must look like section.field=value")
+    key, raw = assignment.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) != 2 or not all(path):
+        raise RecipeError(f"override {assignment!r} must name section.field (e.g. precision.dtype=bf16)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # bare words such as bf16 or pad_max
+    return path, value
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:
+    section, name = path
+    if section not in data or not isinstance(data[section], dict):
+        known = sorted(k for k, v in data.items() if isinstance(v, dict))
+        raise RecipeError(f"unknown recipe section {section!r}; known: {', '.join(known)}")
+    if name not in data[section]:
+        raise RecipeError(
+            f"unknown field {section}.{name}; fields of {section}: {', '.join(sorted(data[section]))}"
+        )
+    data[section][name] = value
+
+
+# ----------------------------------------------------------------------------- field docs
+
+
+def describe_fields() -> list[tuple[str, str, Any, str]]:
+    """(path, type, default, docstring) for every recipe field, read from the source."""
+    rows = []
+    default = Recipe()
+    for f in fields(Recipe):
+        if f.name == "name":
+            continue
+        section = getattr(default, f.name)
+        docs = _field_docstrings(type(section))
+        hints = typing.get_type_hints(type(section))
+        for sf in fields(section):
+            tp = hints[sf.name]
+            rows.append((f"{f.name}.{sf.name}", _type_name(tp), getattr(section, sf.name), docs.get(sf.name, "")))
+    return rows
+
+
+def _type_name(tp: Any) -> str:
+    if _is_literal(tp):
+        return " | ".join(map(str, get_args(tp)))
+    if get_origin(tp) in (Union, getattr(__import__("types"), "UnionType", Union)):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if get_origin(tp) is tuple:
+        return "list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _field_docstrings(cls: type) -> dict[str, str]:
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+__all__ = [
+    "Recipe",
+    "RecipeError",
+    "ShapesConfig",
+    "PrecisionConfig",
+    "CompileConfig",
+    "KernelsConfig",
+    "OptimizerConfig",
+    "RuntimeConfig",
+    "load_recipe",
+    "save_recipe",
+    "recipe_from_dict",
+    "describe_fields",
+]

@@ -1,0 +1,85 @@
+"""Workloads by name, so bench / profile / tune / train can all say `--workload gpt-stdlib`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from torch import nn
+
+from ..recipe import RecipeError
+
+
+@dataclass(frozen=True)
+class WorkloadData:
+    train: Sequence
+    """Training sequences (1-D token id arrays)."""
+    validation: Sequence
+    """Held-out sequences for validation loss."""
+    train_lengths: np.ndarray
+    validation_lengths: np.ndarray
+    pad_id: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    sizes: tuple[str, ...]
+    build_model: Callable[[str, int], nn.Module]
+    """(size, max_len) -> a model whose forward(**batch) returns the mean loss."""
+    load_data: Callable[[], WorkloadData]
+
+    def model(self, size: str, max_len: int) -> nn.Module:
+        if size not in self.sizes:
+            raise RecipeError(f"workload {self.name!r} has no size {size!r}; choose one of {', '.join(self.sizes)}")
+        return self.build_model(size, max_len)
+
+
+WORKLOADS: dict[str, Workload] = {}
+
+
+def register_workload(workload: Workload) -> Workload:
+    if workload.name in WORKLOADS:
+        raise ValueError(f"workload {workload.name!r} is already registered")
+    WORKLOADS[workload.name] = workload
+    return workload
+
+
+def get_workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise RecipeError(f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))}")
+    return WORKLOADS[name]
+
+
+def _gpt_stdlib_data() -> WorkloadData:
+    from .corpus import PAD_ID, VOCAB_SIZE, load_stdlib_corpus
+
+    corpus = load_stdlib_corpus()
+    return WorkloadData(
+        train=corpus.train,
+        validation=corpus.validation,
+        train_lengths=corpus.train.lengths,
+        validation_lengths=corpus.validation.lengths,
+        pad_id=PAD_ID,
+        vocab_size=VOCAB_SIZE,
+    )
+
+
+def _gpt_stdlib_model(size: str, max_len: int) -> nn.Module:
+    from .gpt import build_gpt
+
+    return build_gpt(size, max_len=max_len)
+
+
+register_workload(
+    Workload(
+        name="gpt-stdlib",
+        description="byte-level decoder-only GPT on this interpreter's standard library, one document per def/class",
+        sizes=("tiny", "small", "gpt2-124m"),
+        build_model=_gpt_stdlib_model,
+        load_data=_gpt_stdlib_data,
+    )
+)
