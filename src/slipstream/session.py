@@ -18,6 +18,7 @@ Optimizations are applied to the model by ordered plain functions (`apply_kernel
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
 from collections.abc import Iterator, Sequence
 
@@ -114,6 +115,15 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **impl)
 
 
+def _accepts_document_ids(model: nn.Module) -> bool:
+    model = getattr(model, "_orig_mod", model)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "document_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 class Session:
     def __init__(self, recipe: Recipe | None = None):
         self.recipe = recipe if recipe is not None else Recipe()
@@ -165,6 +175,8 @@ class Session:
         from dataclasses import replace
 
         cfg = self.recipe.shapes
+        if cfg.mode in ("pack", "auto"):
+            cfg = replace(cfg, mode=self._resolve_packing(cfg.mode))
         if tokens_per_batch is not None:
             cfg = replace(cfg, tokens_per_batch=tokens_per_batch)
         if max_len is not None:
@@ -184,6 +196,19 @@ class Session:
         self.tracker.extra["overflowed_sequences"] = loader.overflow.overflowed
         self.tracker.extra["truncated_tokens"] = loader.overflow.dropped_tokens
         return loader
+
+    def _resolve_packing(self, mode: str) -> str:
+        """pack needs a model that masks attention by document; auto falls back to bucket (recorded)."""
+        accepts = self.model is None or _accepts_document_ids(self.model)
+        if mode == "pack" and not accepts:
+            raise RecipeError(
+                f"shapes.mode=pack needs a model whose forward takes document_ids, and "
+                f"{type(self.model).__name__}.forward does not; use shapes.mode=bucket (or auto)"
+            )
+        chosen = "pack" if accepts else "bucket"
+        if mode == "auto":
+            self.tracker.extra["shape_mode_auto_choice"] = chosen
+        return chosen
 
     # -- the step -------------------------------------------------------------------------------
 
