@@ -34,7 +34,7 @@ def _ce_rows_torch(logits, target, ignore_index: int, row_scale, loss_out, want_
     """CPU twin of the Triton row kernel; turns ``logits`` (fp32, owned) into the gradient in place."""
     lse = torch.logsumexp(logits, dim=1)
     picked = logits.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
-    torch.where(target != ignore_index, lse - picked, 0.0, out=loss_out)
+    loss_out.copy_(torch.where(target != ignore_index, lse - picked, 0.0))
     if not want_grad:
         return None
     logits.sub_(lse[:, None]).exp_()  # softmax, in place: no second [chunk, vocab] buffer
@@ -49,7 +49,7 @@ def _chunk_torch(xc, weight, bias, tc, ignore_index, scale_c, loss_c, want_grad)
     all_kept = bool(keep.all())
     loss_c.zero_()
     if not bool(keep.any()):
-        return None, None
+        return None, (None, xc)
     rows = None if all_kept else keep.nonzero().squeeze(1)
     if rows is not None:
         xc, tc, scale_c = xc[rows], tc[rows], scale_c[rows]
@@ -86,7 +86,14 @@ def _run_chunks(x, weight, bias, target, ignore_index, row_scale, backend, chunk
         end = min(n, start + chunk_rows)
         xc = x[start:end]
         grad, (rows, x_used) = chunk_fn(
-            xc, weight, bias, target[start:end], ignore_index, scale[start:end], loss_rows[start:end], want_grad
+            xc,
+            weight,
+            bias,
+            target[start:end],
+            ignore_index,
+            scale[start:end],
+            loss_rows[start:end],
+            want_grad,
         )
         if need_x:
             if grad is None:
@@ -109,12 +116,19 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, ignore_index, reduction, backend, chunk_rows):
         needs = tuple(ctx.needs_input_grad[:3])
-        ctx.ignore_index, ctx.reduction, ctx.backend, ctx.chunk_rows = ignore_index, reduction, backend, chunk_rows
+        ctx.ignore_index, ctx.reduction, ctx.backend, ctx.chunk_rows = (
+            ignore_index,
+            reduction,
+            backend,
+            chunk_rows,
+        )
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         if reduction == "none":
             # per-row upstream grads arrive only in backward: compute the loss now, recompute then
-            loss_rows, *_ = _run_chunks(x, weight, bias, target, ignore_index, None, backend, chunk_rows, needs)
+            loss_rows, *_ = _run_chunks(
+                x, weight, bias, target, ignore_index, None, backend, chunk_rows, needs
+            )
             ctx.save_for_backward(x, weight, bias, target)
             return loss_rows
         row_scale = row_scale_for(target, ignore_index, reduction)
@@ -184,4 +198,6 @@ def fused_linear_cross_entropy(
 
 
 def _apply(x, weight, bias, target, ignore_index, reduction, backend, chunk_rows):
-    return FusedLinearCrossEntropy.apply(x, weight, bias, target, ignore_index, reduction, backend, chunk_rows)
+    return FusedLinearCrossEntropy.apply(
+        x, weight, bias, target, ignore_index, reduction, backend, chunk_rows
+    )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 
 Reduction = str  # "mean" | "sum" | "none", as in torch

@@ -1,0 +1,31 @@
+"""Fused kernels: Triton on CUDA, pure torch on CPU, each checked against ``reference``.
+
+Functions take ``backend="auto" | "triton" | "torch"``; ``apply_kernels`` swaps a model's modules.
+Importing this package never imports Triton (kernels are built on first launch).
+"""
+
+from .activations import geglu_tanh, gelu_tanh, swiglu
+from .cross_entropy import cross_entropy
+from .dispatch import poison_outputs, resolve_backend
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .norms import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .swap import CPU_WINS, KERNEL_OPS, KernelSwapReport, apply_kernels, parse_ops
+
+__all__ = [
+    "CPU_WINS",
+    "KERNEL_OPS",
+    "KernelSwapReport",
+    "add_layer_norm",
+    "add_rms_norm",
+    "apply_kernels",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "geglu_tanh",
+    "gelu_tanh",
+    "layer_norm",
+    "parse_ops",
+    "poison_outputs",
+    "resolve_backend",
+    "rms_norm",
+    "swiglu",
+]

@@ -1,0 +1,152 @@
+"""``apply_kernels``: swap matching submodules of one model instance for kernel modules.
+
+No global monkeypatching: only the instance handed in changes, and each swapped module keeps the
+same Parameter objects, so optimizers (built before or after) and state_dict keys are unaffected.
+Matching is by exact torch type (a subclass may have its own forward, so it is left alone) or, for
+modules slipstream cannot know by type, by a duck-typed class attribute ``slipstream_kernel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from . import nn as knn
+from .dispatch import resolve_backend
+
+KERNEL_OPS: tuple[str, ...] = (
+    "linear_cross_entropy",
+    "cross_entropy",
+    "rms_norm",
+    "layer_norm",
+    "swiglu",
+    "gelu_tanh",
+)
+
+# Ops whose CPU (pure torch) path beats what they replace. Under "auto" on CPU only these are
+# swapped: the others would run torch's own op under another name, a change with nothing to gain.
+CPU_WINS = frozenset({"linear_cross_entropy"})
+
+
+@dataclass
+class KernelSwapReport:
+    """What ``apply_kernels`` did. ``swapped``: op -> modules replaced; ``skipped``: op -> reason."""
+
+    backend: str
+    swapped: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _marker(module: nn.Module) -> str | None:
+    return getattr(type(module), "slipstream_kernel", None)
+
+
+def _own_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        True for _ in module.buffers(recurse=False)
+    )
+
+
+# op -> (matches(module), build(module, backend))
+_RULES: dict[str, tuple[Callable[[nn.Module], bool], Callable[[nn.Module, str], nn.Module]]] = {
+    "layer_norm": (lambda m: type(m) is nn.LayerNorm, knn.LayerNorm.adopt),
+    "rms_norm": (lambda m: type(m) is nn.RMSNorm, knn.RMSNorm.adopt),
+    "gelu_tanh": (lambda m: type(m) is nn.GELU and m.approximate == "tanh", knn.GeluTanh.adopt),
+    "cross_entropy": (
+        lambda m: type(m) is nn.CrossEntropyLoss and m.weight is None and m.label_smoothing == 0.0,
+        knn.CrossEntropyLoss.adopt,
+    ),
+    # marked modules are the user's classes: install ours, carrying over only the ignore index
+    "swiglu": (
+        lambda m: _marker(m) == "swiglu" and not _own_state(m),
+        lambda m, b: _fresh(knn.SwiGLU, b),
+    ),
+    "linear_cross_entropy": (
+        lambda m: _marker(m) == "linear_cross_entropy" and not _own_state(m),
+        lambda m, b: _fresh(knn.LinearCrossEntropy, b, ignore_index=int(getattr(m, "ignore_index", -100))),
+    ),
+}
+
+_WHAT = {
+    "layer_norm": "nn.LayerNorm",
+    "rms_norm": "nn.RMSNorm",
+    "gelu_tanh": "nn.GELU(approximate='tanh')",
+    "cross_entropy": "nn.CrossEntropyLoss (without class weights or label smoothing)",
+    "swiglu": "module marked slipstream_kernel='swiglu' (without parameters)",
+    "linear_cross_entropy": "loss head marked slipstream_kernel='linear_cross_entropy' (without parameters)",
+}
+
+
+def _fresh(cls, backend: str, **attrs) -> nn.Module:
+    module = cls()
+    module.backend = backend
+    module.__dict__.update(attrs)
+    return module
+
+
+def parse_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
+    """``"off"`` -> (), ``"auto"`` -> all ops, a list -> validated names (ValueError names the valid ones)."""
+    if isinstance(ops, str):
+        if ops == "off":
+            return ()
+        if ops == "auto":
+            return KERNEL_OPS
+        ops = [ops]
+    unknown = [op for op in ops if op not in KERNEL_OPS]
+    if unknown:
+        raise ValueError(
+            f"unknown kernel op(s) {unknown}: valid are 'off', 'auto' or a list of {list(KERNEL_OPS)}"
+        )
+    return tuple(dict.fromkeys(ops))
+
+
+def apply_kernels(
+    model: nn.Module,
+    ops: str | Sequence[str],
+    device: torch.device | str,
+    backend: str = "auto",
+) -> KernelSwapReport:
+    """Swap the submodules of ``model`` that match ``ops`` for kernel modules, in place.
+
+    ``device`` is where the model will run: ``auto`` uses Triton on CUDA and the pure-torch path
+    elsewhere, where only the ops with a CPU win (``CPU_WINS``) are swapped. Naming ops explicitly
+    swaps them on any device. Calling twice is harmless (kernel modules are not matched again).
+    """
+    wanted = parse_ops(ops)
+    if not wanted:
+        return KernelSwapReport(backend="torch")
+    chosen = resolve_backend(backend, device)
+    report = KernelSwapReport(backend=chosen)
+    active = []
+    for op in wanted:
+        if ops == "auto" and chosen == "torch" and op not in CPU_WINS:
+            report.skipped[op] = (
+                f"no gain on the torch backend ({torch.device(device).type}): kept torch's module"
+            )
+        else:
+            active.append(op)
+
+    replaced: dict[int, tuple[str, nn.Module]] = {}  # id(old) -> (op, new): shared modules stay shared
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is None or isinstance(child, knn.KernelModule):
+                continue
+            if id(child) not in replaced:
+                op = next((op for op in active if _RULES[op][0](child)), None)
+                if op is None:
+                    continue
+                replaced[id(child)] = (op, _RULES[op][1](child, chosen))
+            parent._modules[name] = replaced[id(child)][1]
+
+    for op, _ in replaced.values():
+        report.swapped[op] = report.swapped.get(op, 0) + 1
+    for op in active:
+        if op not in report.swapped:
+            report.skipped[op] = f"no {_WHAT[op]} in the model"
+    return report
