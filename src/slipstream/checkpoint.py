@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +45,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fault_hook(stage: str) -> None:
-    """Test-only crash injection: SLIPSTREAM_FAULT=<stage> kills the process with SIGKILL there."""
-    if os.environ.get("SLIPSTREAM_FAULT") == stage:
-        import signal
+_fault_hits: Counter[str] = Counter()
 
+
+def fault_armed(stage: str) -> bool:
+    """Test-only crash injection: SLIPSTREAM_FAULT=<stage>[:n] arms the n-th pass through `stage`."""
+    spec = os.environ.get("SLIPSTREAM_FAULT")
+    if not spec:
+        return False
+    name, _, nth = spec.partition(":")
+    if name != stage:
+        return False
+    _fault_hits[stage] += 1
+    return _fault_hits[stage] == int(nth or 1)
+
+
+def fault_point(stage: str) -> None:
+    """SIGKILL this process here when the fault is armed: the real kill -9, not an exception."""
+    if fault_armed(stage):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -61,12 +76,12 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> Path:
             torch.save(state, fh)
             fh.flush()
             size = fh.tell()
-            if os.environ.get("SLIPSTREAM_FAULT") == "checkpoint-mid-write":
+            if fault_armed("checkpoint-mid-write"):
                 fh.truncate(size // 2)  # a torn write, as a kill mid-write would leave it
                 fh.flush()
-                _fault_hook("checkpoint-mid-write")
+                os.kill(os.getpid(), signal.SIGKILL)
             os.fsync(fh.fileno())
-        _fault_hook("checkpoint-before-rename")
+        fault_point("checkpoint-before-rename")
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:

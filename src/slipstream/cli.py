@@ -69,13 +69,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     payload = result.to_dict()
     _write_json(args.json, payload)
     m = result.metrics
-    table = Table(title=f"{result.workload} ({result.size}, {result.parameters:,} params) · recipe {recipe.name}")
+    table = Table(
+        title=f"{result.workload} ({result.size}, {result.parameters:,} params) · recipe {recipe.name}"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     rows = [
         ("steps", f"{result.steps}"),
         ("final train loss", f"{result.loss[-1]:.4f}"),
-        *[(f"val loss @ step {v['step']}", f"{v['loss']:.4f}") for v in result.val_loss[:1] + result.val_loss[-1:]],
+        *[
+            (f"val loss @ step {v['step']}", f"{v['loss']:.4f}")
+            for v in result.val_loss[:1] + result.val_loss[-1:]
+        ],
         ("real tokens", f"{m.real_tokens:,}"),
         ("padded tokens", f"{m.padded_tokens:,}"),
         ("padding waste", f"{m.padding_waste:.3f}"),
@@ -125,7 +130,9 @@ def cmd_data(args: argparse.Namespace) -> int:
             f"  {split:10} {s['documents']:6d} docs  {s['total_tokens']:>10,d} tokens  "
             f"median {s['median']:.0f}  p90 {s['p90']:.0f}  p99 {s['p99']:.0f}  max {s['max']}"
         )
-    print(f"padding waste over one training epoch at max_len {args.max_len} (tokens_per_batch {args.tokens_per_batch}):")
+    print(
+        f"padding waste over one training epoch at max_len {args.max_len} (tokens_per_batch {args.tokens_per_batch}):"
+    )
     for mode in sorted(SHAPE_POLICIES):
         cfg = ShapesConfig(mode=mode, max_len=args.max_len, tokens_per_batch=args.tokens_per_batch)
         loader = ShapedLoader(data.train, cfg, lengths=data.train_lengths, pad_id=data.pad_id)
@@ -170,19 +177,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
         return sub.add_parser(
-            name, help=help_, description=help_, epilog=EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter
+            name,
+            help=help_,
+            description=help_,
+            epilog=EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
 
     p = add("train", "train a built-in workload under a recipe and report its metrics")
     p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
     p.add_argument("--size", default="tiny", help="model size: tiny, small, gpt2-124m (default: tiny)")
-    p.add_argument("--recipe", default="baseline", help="preset, .toml/.json file, or preset+section.field=value")
+    p.add_argument(
+        "--recipe", default="baseline", help="preset, .toml/.json file, or preset+section.field=value"
+    )
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override one recipe field")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
-    p.add_argument("--eval-every", type=int, default=50, help="validation every N steps, 0 = never (default: 50)")
-    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation (default: 4)")
+    p.add_argument(
+        "--eval-every", type=int, default=50, help="validation every N steps, 0 = never (default: 50)"
+    )
+    p.add_argument(
+        "--eval-batches", type=int, default=4, help="validation batches per evaluation (default: 4)"
+    )
     p.add_argument("--checkpoint-dir", help="folder for checkpoint.pt (written atomically)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="checkpoint every N steps (and at the end)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's checkpoint")
     p.add_argument("--json", help="write results (per-step loss, metrics) to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -190,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("doctor", "report torch, device, bf16/fp16 support, whether compile and Triton work")
     p.add_argument("--json", help="write the report to this file")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile check (slow on first use)")
+    p.add_argument(
+        "--no-compile", action="store_true", help="skip the torch.compile check (slow on first use)"
+    )
     p.set_defaults(fn=cmd_doctor)
 
     p = add("data", "length histogram of a workload's corpus and the padding waste of each shape policy")

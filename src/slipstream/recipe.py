@@ -40,8 +40,9 @@ class ShapesConfig:
     tokens_per_batch: int = 8192
     """Token budget per batch: batch size is chosen so batch * row_len <= tokens_per_batch."""
 
-    overflow: Literal["error", "truncate", "split"] = "truncate"
-    """What to do with a sequence longer than max_len: refuse, cut the tail, or cut it into pieces."""
+    overflow: Literal["error", "truncate", "split", "drop"] = "truncate"
+    """What to do with a sequence longer than max_len: refuse, cut the tail, cut it into pieces,
+    or skip it (dropped sequences and tokens are counted in the metrics)."""
 
     buckets: int | Literal["auto"] = 8
     """Number of length buckets for mode=bucket ("auto" picks it from a padding vs per-shape cost)."""
@@ -49,11 +50,30 @@ class ShapesConfig:
     multiple_of: int = 8
     """Round every planned row length up to a multiple of this (tensor-core and vector friendly)."""
 
+    shape_cost_tokens: int = 262144
+    """For buckets="auto": what one more distinct shape costs (a compile, CUDA-graph memory), in
+    padded tokens per epoch; k minimises padded_tokens + k * shape_cost_tokens."""
+
+    pack_algorithm: Literal["bfd", "greedy"] = "bfd"
+    """mode=pack: best-fit-decreasing over a window of documents (fullest rows), or streaming
+    greedy next-fit (documents in shuffled order, a row closes when the next one does not fit)."""
+
+    pack_window: int = 4096
+    """mode=pack with bfd: documents sorted and packed together; larger fills rows better."""
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:
     dtype: Literal["fp32", "bf16", "fp16", "fp8", "auto"] = "fp32"
-    """Compute dtype under autocast; weights stay fp32 (master weights)."""
+    """Compute dtype under autocast; weights stay fp32 (master weights). auto picks the cheapest
+    dtype the device runs well (bf16 on CPUs and bf16 GPUs, fp16 otherwise) and records the choice;
+    fp8 trains Linear layers through torchao on GPUs of compute capability >= 8.9."""
+
+    loss_scale_init: float = 65536.0
+    """Starting loss scale for fp16 dynamic loss scaling (ignored by other dtypes)."""
+
+    loss_scale_growth_interval: int = 2000
+    """fp16: double the loss scale after this many steps in a row without inf/nan gradients."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,17 @@ class CompileConfig:
 
     scope: Literal["model", "blocks"] = "model"
     """Compile the whole model, or each transformer block on its own (regional: faster compile)."""
+
+    cudagraphs: bool = False
+    """CUDA only: capture forward+backward once per batch shape into a CUDA graph with static input
+    buffers and replay it each step; shapes beyond cudagraph_max_shapes run eager (counted)."""
+
+    cudagraph_max_shapes: int = 16
+    """Most distinct batch shapes captured as CUDA graphs (one per planned bucket is the aim)."""
+
+    activation_checkpointing: Literal["off", "blocks"] = "off"
+    """Recompute each block's activations in backward instead of storing them (less memory, more
+    compute); needs a model with a `blocks` ModuleList."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +120,8 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value before each step (0 disables clipping)."""
 
     impl: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
-    """Optimizer kernel implementation; auto lets torch pick (foreach on most devices)."""
+    """Optimizer kernel implementation; auto picks fused on CUDA and lets torch pick elsewhere
+    (foreach on most devices)."""
 
     warmup_steps: int = 0
     """Linear learning-rate warm-up over this many steps, then constant."""
@@ -105,6 +137,22 @@ class RuntimeConfig:
 
     deterministic: bool = False
     """Ask torch for deterministic algorithms (needed for bit-exact resume on GPU; slower)."""
+
+
+@dataclass(frozen=True)
+class DataflowConfig:
+    prefetch: bool = False
+    """Prepare batches on a background thread ahead of the step (pinned host memory and a side
+    CUDA stream copy on GPU), so the step does not wait for data."""
+
+    prefetch_depth: int = 2
+    """Batches prepared ahead (bounded queue: the producer waits when it is this far ahead)."""
+
+    workers: int = 0
+    """Parallel workers for per-sample preprocessing (decode, augment); 0 prepares on one thread."""
+
+    worker_kind: Literal["thread", "process"] = "thread"
+    """Worker pool kind: threads (cheap, good when decode releases the GIL) or processes."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +177,9 @@ class Recipe:
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Device, seeds and determinism."""
+
+    dataflow: DataflowConfig = field(default_factory=DataflowConfig)
+    """Prefetching and worker pools between the data and the step."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -158,7 +209,9 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
     if _is_literal(tp):
         allowed = get_args(tp)
         if value not in allowed:
-            raise RecipeError(f"{path}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+            raise RecipeError(
+                f"{path}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
+            )
         return value
     if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
         errors = []
@@ -200,10 +253,17 @@ _RANGES: dict[str, tuple[float, float | None]] = {
     "shapes.max_len": (2, None),
     "shapes.tokens_per_batch": (1, None),
     "shapes.multiple_of": (1, None),
+    "shapes.shape_cost_tokens": (0, None),
+    "shapes.pack_window": (1, None),
     "optimizer.lr": (0.0, None),
     "optimizer.weight_decay": (0.0, None),
     "optimizer.grad_clip": (0.0, None),
     "optimizer.warmup_steps": (0, None),
+    "precision.loss_scale_init": (1.0, None),
+    "precision.loss_scale_growth_interval": (1, None),
+    "compile.cudagraph_max_shapes": (1, None),
+    "dataflow.prefetch_depth": (1, None),
+    "dataflow.workers": (0, None),
 }
 
 
@@ -366,7 +426,9 @@ def describe_fields() -> list[tuple[str, str, Any, str]]:
         hints = typing.get_type_hints(type(section))
         for sf in fields(section):
             tp = hints[sf.name]
-            rows.append((f"{f.name}.{sf.name}", _type_name(tp), getattr(section, sf.name), docs.get(sf.name, "")))
+            rows.append(
+                (f"{f.name}.{sf.name}", _type_name(tp), getattr(section, sf.name), docs.get(sf.name, ""))
+            )
     return rows
 
 
@@ -386,7 +448,11 @@ def _field_docstrings(cls: type) -> dict[str, str]:
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -400,6 +466,7 @@ __all__ = [
     "KernelsConfig",
     "OptimizerConfig",
     "RuntimeConfig",
+    "DataflowConfig",
     "load_recipe",
     "save_recipe",
     "recipe_from_dict",

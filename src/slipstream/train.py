@@ -12,7 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, clean_stale_temps, load_checkpoint, rng_state, save_checkpoint
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    clean_stale_temps,
+    fault_point,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 from .checkpoint import set_rng_state as restore_rng_state
 from .metrics import MetricsSummary
 from .presets import resolve_recipe
@@ -163,7 +171,12 @@ def train(
     optimizer = session.build_optimizer(model)
     loader = session.prepare_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
     val_loader = ShapedLoader(
-        data.validation, loader.cfg, seed=0, device=session.device, pad_id=data.pad_id, lengths=data.validation_lengths
+        data.validation,
+        loader.cfg,
+        seed=0,
+        device=session.device,
+        pad_id=data.pad_id,
+        lengths=data.validation_lengths,
     )
 
     losses: list[float] = []
@@ -235,6 +248,7 @@ def train(
                 val_losses.append({"step": step, "loss": evaluate(model, val_loader, session, eval_batches)})
             if at_ckpt:
                 write_checkpoint()
+            fault_point("step")
     except KeyboardInterrupt:
         if pending:
             losses.extend(torch.stack(pending).float().tolist())

@@ -158,8 +158,9 @@ class ShapedLoader:
         self.policy: ShapePolicy = get_shape_policy(cfg.mode)(cfg, item_len)
         self.epoch = 0
         self.position = 0
-        self._plans: list[BatchPlan] | None = None
         self._on_batch = on_batch
+        # Plan the first epoch now so bad settings (a budget below one row, ...) fail at construction.
+        self._plans: list[BatchPlan] | None = self.plans()
 
     # -- planning -------------------------------------------------------------------------------
 

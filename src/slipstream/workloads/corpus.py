@@ -106,7 +106,9 @@ class TokenCorpus:
 
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray, name: str = "corpus"):
         if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens):
-            raise CorpusError(f"{name}: offsets do not describe the token array; delete the cache and rebuild")
+            raise CorpusError(
+                f"{name}: offsets do not describe the token array; delete the cache and rebuild"
+            )
         self.tokens = tokens
         self.offsets = offsets
         self.name = name
@@ -224,9 +226,11 @@ def load_stdlib_corpus(cache_dir: Path | None = None, max_files: int = DEFAULT_M
         is_val = np.fromfile(out / "is_val.bool", dtype=np.bool_)
         if len(tokens) != meta["tokens"] or len(is_val) != meta["documents"]:
             raise CorpusError("size mismatch")
+        whole = TokenCorpus(tokens, offsets, "stdlib")
     except (OSError, ValueError, KeyError, CorpusError) as err:
-        raise CorpusError(f"corpus cache at {out} is damaged ({err}); delete that folder to rebuild it") from err
-    whole = TokenCorpus(tokens, offsets, "stdlib")
+        raise CorpusError(
+            f"corpus cache at {out} is damaged ({err}); delete that folder to rebuild it"
+        ) from err
     idx = np.arange(len(whole))
     train = whole.subset(idx[~is_val], "stdlib/train")
     validation = whole.subset(idx[is_val], "stdlib/validation")

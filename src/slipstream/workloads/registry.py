@@ -34,7 +34,9 @@ class Workload:
 
     def model(self, size: str, max_len: int) -> nn.Module:
         if size not in self.sizes:
-            raise RecipeError(f"workload {self.name!r} has no size {size!r}; choose one of {', '.join(self.sizes)}")
+            raise RecipeError(
+                f"workload {self.name!r} has no size {size!r}; choose one of {', '.join(self.sizes)}"
+            )
         return self.build_model(size, max_len)
 
 
