@@ -147,6 +147,12 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     from .presets import PRESETS
     from .recipe import describe_fields, save_recipe
 
+    if args.fields and args.markdown:
+        print("| field | choices / type | default | what it does |\n|---|---|---|---|")
+        for path, tp, default, doc in describe_fields():
+            choices = tp.replace("|", "\\|")
+            print(f"| `{path}` | {choices} | `{default!r}` | {doc} |")
+        return 0
     if args.fields:
         for path, tp, default, doc in describe_fields():
             print(f"{path:28} {tp:40} default {default!r}\n    {doc}")
@@ -226,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override one recipe field")
     p.add_argument("--save", help="write the recipe to this .toml or .json file")
     p.add_argument("--fields", action="store_true", help="list every field with its type and docstring")
+    p.add_argument(
+        "--markdown", action="store_true", help="with --fields: print a Markdown table (docs/recipe.md)"
+    )
     p.set_defaults(fn=cmd_recipe)
     return parser
 

@@ -72,27 +72,27 @@ class MetricsTracker:
         self._pending_padded = 0
         self._pending_shape: tuple[int, int] | None = None
         self._last_step_end: float | None = None
+        self._step_start: float | None = None
         self._graphs_after_first_step = 0
 
     def on_batch(self, batch: object, wait_s: float) -> None:
-        if self._last_step_end is None:  # the first step starts when its batch was first asked for
-            self._last_step_end = time.perf_counter() - wait_s
+        # A step starts when its (first) batch is asked for, so time spent between steps on
+        # evaluation, logging or checkpoints is not charged to training throughput.
+        if self._step_start is None:
+            self._step_start = time.perf_counter() - wait_s
         self._pending_wait += wait_s
         self._pending_real += int(getattr(batch, "real_tokens", 0))
         self._pending_padded += int(getattr(batch, "padded_tokens", 0))
         self._pending_shape = getattr(batch, "shape", None)
 
-    def start(self) -> None:
-        """Mark the start of the first step (else it is taken from the first batch's arrival)."""
-        self._last_step_end = time.perf_counter()
-
     def end_step(self) -> None:
         now = time.perf_counter()
-        if self._last_step_end is None:
-            self._last_step_end = now
+        start = self._step_start if self._step_start is not None else self._last_step_end
+        if start is None:
+            start = now
         self.records.append(
             StepRecord(
-                step_time_s=now - self._last_step_end,
+                step_time_s=now - start,
                 data_wait_s=self._pending_wait,
                 real_tokens=self._pending_real,
                 padded_tokens=self._pending_padded,
@@ -102,6 +102,7 @@ class MetricsTracker:
         if len(self.records) == 1:
             self._graphs_after_first_step = _unique_graphs()
         self._last_step_end = now
+        self._step_start = None
         self._pending_wait = 0.0
         self._pending_real = self._pending_padded = 0
 
