@@ -32,15 +32,18 @@ def default_chunk_rows(n_rows: int, hidden: int, vocab: int) -> int:
 
 def _ce_rows_torch(logits, target, ignore_index: int, row_scale, loss_out, want_grad: bool):
     """CPU twin of the Triton row kernel; turns ``logits`` (fp32, owned) into the gradient in place."""
-    lse = torch.logsumexp(logits, dim=1)
-    picked = logits.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
-    loss_out.copy_(torch.where(target != ignore_index, lse - picked, 0.0))
+    picked = logits.gather(1, target.clamp_min(0)[:, None])
+    m = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(m).exp_()  # in place: no second [chunk, vocab] buffer
+    d = probs.sum(dim=1, keepdim=True)
+    loss = (m + d.log() - picked).squeeze(1)
+    loss_out.copy_(torch.where(target != ignore_index, loss, 0.0))
     if not want_grad:
         return None
-    logits.sub_(lse[:, None]).exp_()  # softmax, in place: no second [chunk, vocab] buffer
-    logits.mul_(row_scale[:, None])
-    logits.scatter_add_(1, target.clamp_min(0)[:, None], -row_scale[:, None])
-    return logits
+    # scale * (softmax - onehot); exp(x - m) / d keeps each probability's error relative
+    probs.mul_(row_scale[:, None] / d)
+    probs.scatter_add_(1, target.clamp_min(0)[:, None], -row_scale[:, None])
+    return probs
 
 
 def _chunk_torch(xc, weight, bias, tc, ignore_index, scale_c, loss_c, want_grad):

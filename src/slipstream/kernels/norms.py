@@ -26,6 +26,7 @@ from .dispatch import (
     triton_lang,
 )
 
+MAX_ROWS_PER_PROGRAM = 32
 MAX_HIDDEN = 65536  # one row must fit one tile; wider rows would need a two-pass kernel
 
 
@@ -82,8 +83,12 @@ class TritonNorm(torch.autograd.Function):
         dy = dy.reshape(-1, n_cols).contiguous()
         dh = None if (dh is None or not has_res) else dh.reshape(-1, n_cols).contiguous()
         dx = new_output(xin.shape, xin.dtype, xin.device)
-        programs = max(1, min(n_rows, num_programs(xin.device)))
+        # at most MAX_ROWS_PER_PROGRAM rows summed sequentially per partial (fp32 accuracy of dW);
+        # at least a full wave of programs on the GPU
+        programs = max(num_programs(xin.device), -(-n_rows // MAX_ROWS_PER_PROGRAM))
+        programs = max(1, min(n_rows, programs))
         rows_per = -(-n_rows // programs)
+        programs = -(-n_rows // rows_per)
         dw_part = None if weight is None else new_output((programs, n_cols), torch.float32, xin.device)
         db_part = None if bias is None else new_output((programs, n_cols), torch.float32, xin.device)
         if n_rows:

@@ -51,5 +51,7 @@ def ce_rows_kernel(
             for start in range(0, n_cols, BLOCK):
                 offs = start + cols
                 x = tl.load(X + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
-                g = tl.exp(x - lse) - tl.where(offs == y, 1.0, 0.0)
+                # exp(x - m) / d, not exp(x - lse): lse carries an absolute rounding error that
+                # would become a relative error of every probability
+                g = tl.exp(x - m) / d - tl.where(offs == y, 1.0, 0.0)
                 tl.store(G + offs, (g * s).to(G.dtype.element_ty), mask=offs < n_cols)
