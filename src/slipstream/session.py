@@ -11,8 +11,9 @@
         session.step(optimizer)
     session.metrics()
 
-Optimizations are applied to the model by ordered plain functions (`apply_kernels`,
-`apply_compile`), each reading only its own part of the recipe.
+Optimizations are applied to the model by ordered plain functions (`apply_kernels`, `apply_fp8`,
+`apply_activation_checkpointing`, `apply_compile`, `apply_cudagraphs`), each reading only its own
+part of the recipe.
 """
 
 from __future__ import annotations
@@ -26,11 +27,22 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import precision as _precision
+from .compile import apply_activation_checkpointing, apply_compile, apply_cudagraphs, compile_stats
+from .dataflow import PrefetchLoader, SampleLoader
 from .metrics import MetricsSummary, MetricsTracker
-from .recipe import CompileConfig, KernelsConfig, OptimizerConfig, PrecisionConfig, Recipe, RecipeError
+from .precision import LossScaler, resolve_precision
+from .recipe import KernelsConfig, OptimizerConfig, Recipe, RecipeError
 from .shapes.loader import ShapedLoader
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = [
+    "Session",
+    "apply_compile",
+    "apply_kernels",
+    "build_optimizer",
+    "resolve_device",
+    "resolve_precision",
+]
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -39,20 +51,6 @@ def resolve_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise RecipeError("runtime.device=cuda but no CUDA device is visible; use runtime.device=auto or cpu")
     return torch.device(choice)
-
-
-def resolve_precision(cfg: PrecisionConfig, device: torch.device) -> str:
-    """The dtype actually used; `auto` picks the cheapest one the device runs well."""
-    dtype = cfg.dtype
-    if dtype == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16"  # CPU autocast bf16 uses native bf16 matmuls where the CPU has them
-    if dtype == "fp16" and device.type != "cuda":
-        raise RecipeError("precision.dtype=fp16 needs CUDA (CPU fp16 matmuls are slow); use bf16 on CPU")
-    if dtype == "fp8":
-        raise RecipeError("precision.dtype=fp8 is not implemented yet; use bf16")
-    return dtype
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -74,22 +72,6 @@ def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) ->
     return {"kernels_swapped": dict(report.swapped), "kernels_backend": report.backend}
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig) -> nn.Module:
-    """torch.compile the whole model, or each block on its own (regional: compiles once per block type)."""
-    if cfg.mode == "off":
-        return model
-    options = {"mode": cfg.mode}
-    if cfg.scope == "blocks":
-        blocks = getattr(model, "blocks", None)
-        if not isinstance(blocks, nn.ModuleList):
-            raise RecipeError("compile.scope=blocks needs a model with a `blocks` ModuleList; use compile.scope=model")
-        for block in blocks:
-            block.compile(**options)
-        return model
-    model.compile(**options)
-    return model
-
-
 def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
     """Decay matrices only; biases, norms and embeddings' 1-D params are not decayed (GPT-2 practice)."""
     seen, decay, no_decay = set(), [], []
@@ -101,13 +83,21 @@ def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def resolve_optimizer_impl(cfg: OptimizerConfig, device: torch.device) -> str:
+    """auto: fused on CUDA (one kernel for all parameters), torch's own default elsewhere."""
+    if cfg.impl == "auto":
+        return "fused" if device.type == "cuda" else "auto"
+    return cfg.impl
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     impl: dict[str, bool] = {}
-    if cfg.impl == "fused":
+    choice = resolve_optimizer_impl(cfg, device)
+    if choice == "fused":
         impl = {"fused": True}
-    elif cfg.impl == "foreach":
+    elif choice == "foreach":
         impl = {"foreach": True}
-    elif cfg.impl == "for-loop":
+    elif choice == "for-loop":
         impl = {"foreach": False}
     groups = build_param_groups(model, cfg.weight_decay)
     if cfg.name == "adamw":
@@ -131,9 +121,14 @@ class Session:
         self.precision = resolve_precision(self.recipe.precision, self.device)
         seed_everything(self.recipe.runtime.seed, self.recipe.runtime.deterministic)
         self.tracker = MetricsTracker(self.device, self.precision)
-        self.scaler: torch.amp.GradScaler | None = None
+        if self.recipe.precision.dtype == "auto":
+            self.tracker.extra["precision_auto_choice"] = self.precision
+        self.scaler: LossScaler | None = None
         if self.precision == "fp16":
-            self.scaler = torch.amp.GradScaler(self.device.type)
+            self.scaler = LossScaler(self.device, self.recipe.precision)
+            self.tracker.extra["loss_scale"] = self.scaler.loss_scale
+        self.last_step_skipped = False
+        """True when the last `step` was skipped because of inf/nan gradients (fp16 only)."""
         self.schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] = {}
         self.model: nn.Module | None = None
         self.step_count = 0
@@ -141,15 +136,26 @@ class Session:
     # -- preparation ----------------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move to the device and apply, in order: kernels, fp8 layers, activation checkpointing,
+        torch.compile, CUDA graphs per shape. The returned model's `_orig_mod` (when it has one)
+        holds the same parameters under the same state_dict keys."""
+        cfg = self.recipe.compile
         model = model.to(self.device)
         self.tracker.extra.update(apply_kernels(model, self.recipe.kernels, self.device))
-        model = apply_compile(model, self.recipe.compile)
-        self.tracker.extra["compiled"] = self.recipe.compile.mode != "off"
+        if self.precision == "fp8":
+            self.tracker.extra.update(_precision.apply_fp8(model))
+        wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        if wrapped:
+            self.tracker.extra["checkpointed_blocks"] = wrapped
+        model = apply_compile(model, cfg)
+        model = apply_cudagraphs(model, cfg, self.device)
+        self.tracker.extra["compiled"] = cfg.mode != "off"
         self.model = model
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The recipe's optimizer over `model`, already prepared."""
+        self.tracker.extra["optimizer_impl"] = resolve_optimizer_impl(self.recipe.optimizer, self.device)
         return self.prepare_optimizer(build_optimizer(model, self.recipe.optimizer, self.device))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -170,8 +176,11 @@ class Session:
         rank: int = 0,
         world_size: int = 1,
         lengths: np.ndarray | None = None,
-    ) -> ShapedLoader:
-        """Batches of `sequences` (1-D token id lists) shaped by recipe.shapes; arguments override it."""
+    ) -> ShapedLoader | PrefetchLoader:
+        """Batches of `sequences` (1-D token id lists) shaped by recipe.shapes; arguments override it.
+
+        With dataflow.prefetch the batches are collated on a background thread and copied to the
+        device on a side stream (a PrefetchLoader that otherwise behaves as the ShapedLoader)."""
         from dataclasses import replace
 
         cfg = self.recipe.shapes
@@ -181,21 +190,62 @@ class Session:
             cfg = replace(cfg, tokens_per_batch=tokens_per_batch)
         if max_len is not None:
             cfg = replace(cfg, max_len=max_len)
+        flow = self.recipe.dataflow
         loader = ShapedLoader(
             sequences,
             cfg,
             seed=self.recipe.runtime.seed,
-            device=self.device,
+            # Prefetching collates on the host and moves batches itself (pinned, side stream).
+            device="cpu" if flow.prefetch else self.device,
             pad_id=pad_id,
             rank=rank,
             world_size=world_size,
             lengths=lengths,
-            on_batch=self.tracker.on_batch,
+            on_batch=None if flow.prefetch else self.tracker.on_batch,
         )
         self.tracker.extra["shape_policy"] = loader.policy.name
         self.tracker.extra["overflowed_sequences"] = loader.overflow.overflowed
         self.tracker.extra["truncated_tokens"] = loader.overflow.dropped_tokens
-        return loader
+        if flow.workers > 0:
+            # Collating token ids is cheap; worker pools are for per-sample decode (prepare_samples).
+            self.tracker.extra["dataflow_workers_unused"] = flow.workers
+        return self._maybe_prefetch(loader)
+
+    def prepare_samples(
+        self,
+        dataset: object,
+        batch_size: int,
+        *,
+        collate: object = None,
+        seed: int | None = None,
+        shuffle: bool = True,
+    ) -> SampleLoader | PrefetchLoader:
+        """Batches of a map-style dataset of CPU-heavy samples (images to decode and augment), with
+        recipe.dataflow's worker pool and prefetching."""
+        flow = self.recipe.dataflow
+        loader = SampleLoader(
+            dataset,
+            batch_size,
+            collate=collate,  # type: ignore[arg-type]
+            workers=flow.workers,
+            worker_kind=flow.worker_kind,
+            seed=self.recipe.runtime.seed if seed is None else seed,
+            shuffle=shuffle,
+            device="cpu" if flow.prefetch else self.device,
+            on_batch=None if flow.prefetch else self.tracker.on_batch,
+        )
+        self.tracker.extra["dataflow_workers"] = flow.workers
+        self.tracker.extra["dataflow_worker_kind"] = flow.worker_kind
+        return self._maybe_prefetch(loader)
+
+    def _maybe_prefetch(
+        self, loader: ShapedLoader | SampleLoader
+    ) -> ShapedLoader | SampleLoader | PrefetchLoader:
+        flow = self.recipe.dataflow
+        self.tracker.extra["prefetch_depth"] = flow.prefetch_depth if flow.prefetch else 0
+        if not flow.prefetch:
+            return loader
+        return PrefetchLoader(loader, flow.prefetch_depth, device=self.device, on_batch=self.tracker.on_batch)
 
     def _resolve_packing(self, mode: str) -> str:
         """pack needs a model that masks attention by document; auto falls back to bucket (recorded)."""
@@ -214,11 +264,10 @@ class Session:
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        dtype = _AUTOCAST_DTYPES.get(self.precision)
-        if dtype is None:
-            yield
-            return
-        with torch.autocast(self.device.type, dtype=dtype):
+        # The autocast weight-cast cache must be off while CUDA graphs capture (it outlives the graph).
+        with _precision.autocast(
+            self.precision, self.device, cache_enabled=not self.recipe.compile.cudagraphs
+        ):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -227,33 +276,40 @@ class Session:
         else:
             loss.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale (fp16), clip, step (skipped on overflow under fp16), zero grads, close the step."""
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale (fp16), clip, step, zero grads, close the step. Returns False when the step was
+        skipped: under fp16 a gradient with inf/nan skips the update and backs the loss scale off."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         clip = self.recipe.optimizer.grad_clip
+        stepped = True
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+            self.scaler.unscale_(optimizer)  # before clipping, so the clip sees the true gradient norm
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, clip)
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            if self.scaler.get_scale() < scale_before:  # GradScaler backs off only on inf/nan: step skipped
-                self.tracker.skipped_steps += 1
-            self.tracker.extra["loss_scale"] = self.scaler.get_scale()
+            stepped = self.scaler.step(optimizer)
+            self.tracker.skipped_steps += int(not stepped)
+            self.tracker.extra["loss_scale"] = self.scaler.loss_scale
         else:
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
+        self.last_step_skipped = not stepped
         optimizer.zero_grad(set_to_none=True)
         scheduler = self.schedulers.get(id(optimizer))
-        if scheduler is not None:
+        if scheduler is not None and stepped:
             scheduler.step()
         self.step_count += 1
         self.tracker.end_step()
+        return stepped
 
     def metrics(self) -> MetricsSummary:
-        return self.tracker.summary()
+        summary = self.tracker.summary()
+        if self.model is not None:
+            summary.extra.update(compile_stats(self.model))
+        if self.recipe.compile.mode != "off" or self.recipe.compile.cudagraphs:
+            # Compilation (and graph capture) happen in the first step: what it took beyond a steady step.
+            summary.extra["compile_s"] = max(0.0, summary.first_step_s - summary.step_time_s)
+        return summary
 
     # -- checkpointing --------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from torch import nn
@@ -31,6 +32,10 @@ class Workload:
     build_model: Callable[[str, int], nn.Module]
     """(size, max_len) -> a model whose forward(**batch) returns the mean loss."""
     load_data: Callable[[], WorkloadData]
+    """The workload's data (WorkloadData of token sequences, or the workload's own type with make_loaders)."""
+    make_loaders: Callable[[Any, Any], tuple[Any, Any]] | None = None
+    """(session, data) -> (train loader, validation loader) for data that are not token sequences
+    (images); None: token sequences through session.prepare_loader."""
 
     def model(self, size: str, max_len: int) -> nn.Module:
         if size not in self.sizes:
@@ -83,5 +88,35 @@ register_workload(
         sizes=("tiny", "small", "gpt2-124m"),
         build_model=_gpt_stdlib_model,
         load_data=_gpt_stdlib_data,
+    )
+)
+
+
+def _vision_data() -> Any:
+    from .vision import load_vision_data
+
+    return load_vision_data()
+
+
+def _vision_model(size: str, max_len: int) -> nn.Module:
+    from .vision import build_cnn
+
+    return build_cnn(size)  # images have no sequence length: max_len does not apply
+
+
+def _vision_loaders(session: Any, data: Any) -> tuple[Any, Any]:
+    from .vision import make_vision_loaders
+
+    return make_vision_loaders(session, data)
+
+
+register_workload(
+    Workload(
+        name="vision-synthetic",
+        description="small CNN on synthetic JPEG images decoded and augmented with Pillow per sample (data-bound)",
+        sizes=("tiny", "small"),
+        build_model=_vision_model,
+        load_data=_vision_data,
+        make_loaders=_vision_loaders,
     )
 )

@@ -1,0 +1,262 @@
+"""Precision policy: which dtype the step computes in, loss scaling for fp16, and the parity guard.
+
+Weights always stay fp32 ("master weights"); bf16/fp16 are autocast compute dtypes, fp8 swaps
+Linear layers for torchao's float8 training layers. fp16 needs dynamic loss scaling: we build on
+`torch.amp.GradScaler` and only add the accounting (skipped steps, current scale) and the order
+of operations (unscale before clipping, skip on inf/nan).
+
+The parity guard (`parity`) compares a candidate run's loss curve against a reference (fp32
+eager, same data and seeds) and says pass/fail with the measured gap. bench and tune use it to
+refuse speed-ups that change what is learned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .recipe import PrecisionConfig, RecipeError
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- device support
+
+
+def cpu_supports_fp16() -> bool:
+    """True where oneDNN has fp16 matmuls on this CPU (AVX512-FP16, AMX-FP16, or its AVX-512 path)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # builds without oneDNN
+        return False
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_precision(cfg: PrecisionConfig, device: torch.device) -> str:
+    """The dtype actually used: `auto` picks the cheapest the device runs well; unusable choices fail
+    with an error that names the field and the fix."""
+    dtype = cfg.dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16"  # CPU autocast bf16 uses native bf16 matmuls where the CPU has them (AVX512-BF16, AMX)
+    if dtype == "fp16":
+        if device.type == "cpu" and not cpu_supports_fp16():
+            raise RecipeError(
+                "precision.dtype=fp16 needs fp16 matmuls, which this CPU does not have; use precision.dtype=bf16"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise RecipeError(f"precision.dtype=fp16 is not supported on {device.type}; use bf16 or fp32")
+    if dtype == "fp8":
+        if device.type != "cuda":
+            raise RecipeError("precision.dtype=fp8 needs a CUDA GPU of compute capability >= 8.9; use bf16")
+        major, minor = cuda_capability(device)
+        if (major, minor) < (8, 9):
+            raise RecipeError(
+                f"precision.dtype=fp8 needs compute capability >= 8.9 (this GPU has {major}.{minor}); use bf16"
+            )
+    if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RecipeError("precision.dtype=bf16 is not supported by this GPU; use precision.dtype=fp16")
+    return dtype
+
+
+# ----------------------------------------------------------------------------- autocast
+
+
+@contextlib.contextmanager
+def autocast(precision: str, device: torch.device, *, cache_enabled: bool = True) -> Iterator[None]:
+    """Autocast for bf16/fp16 (fp8 computes the rest of the model in bf16); no-op for fp32.
+
+    `cache_enabled=False` is needed while capturing CUDA graphs (the cast cache would outlive the graph).
+    """
+    dtype = AUTOCAST_DTYPES.get("bf16" if precision == "fp8" else precision)
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device.type, dtype=dtype, cache_enabled=cache_enabled):
+        yield
+
+
+def apply_fp8(model: nn.Module) -> dict[str, object]:
+    """Swap nn.Linear layers for torchao float8 training layers (in place; state_dict keys unchanged)."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as err:
+        raise RecipeError(
+            "precision.dtype=fp8 needs torchao: `pip install torchao` (or the slipstream[gpu] extra)"
+        ) from err
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        # float8 matmuls need both dims divisible by 16; the tied LM head stays in bf16.
+        if not isinstance(module, nn.Linear):
+            return True
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0 and "lm_head" not in fqn
+
+    before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    convert_to_float8_training(model, module_filter_fn=eligible)
+    after = sum(type(m) is nn.Linear for m in model.modules())
+    return {"fp8_linears": before - after}
+
+
+# ----------------------------------------------------------------------------- loss scaling
+
+
+class LossScaler:
+    """Dynamic loss scaling on top of torch.amp.GradScaler, with the accounting metrics need.
+
+    `step` returns True when the optimizer step ran and False when it was skipped because a
+    gradient held inf/nan (GradScaler then halves the scale).
+    """
+
+    def __init__(self, device: torch.device, cfg: PrecisionConfig):
+        self.scaler = torch.amp.GradScaler(
+            device.type, init_scale=cfg.loss_scale_init, growth_interval=cfg.loss_scale_growth_interval
+        )
+        self.skipped_steps = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide grads by the scale in place (call before clipping so the clip sees true norms)."""
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)  # skips optimizer.step() when any grad is inf/nan
+        self.scaler.update()
+        # GradScaler lowers the scale only when it found inf/nan, i.e. only when it skipped the step.
+        skipped = self.scaler.get_scale() < scale_before
+        self.skipped_steps += int(skipped)
+        return not skipped
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.get_scale())
+
+    def state_dict(self) -> dict[str, object]:
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if "scaler" not in state:  # a bare GradScaler state (older checkpoints)
+            self.scaler.load_state_dict(state)
+            return
+        self.scaler.load_state_dict(state["scaler"])  # type: ignore[arg-type]
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- parity guard
+
+DEFAULT_PARITY_TOLERANCE = 0.02
+"""Relative gap allowed between the candidate's and the reference's loss, both averaged over the
+last `window` steps. Justified by measurement (docs/precision.md, benchmarks/precision.py): on
+gpt-stdlib small, 200 steps, the fp32 loss moves by ~1-3 % between two data-order seeds (the
+noise floor of "the same training"), while bf16 vs fp32 on the same seeds differs by well under
+1 %. A 2 % gap therefore passes numerics changes that are within run-to-run noise and fails
+ones that visibly change what is learned (a 10x learning-rate change, broken loss scaling)."""
+
+DEFAULT_PARITY_WINDOW = 20
+"""Steps averaged at each end of the comparison: one step's loss is too noisy to compare."""
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    passed: bool
+    gap: float
+    """Relative gap |mean(candidate[-w:]) - mean(reference[-w:])| / mean(reference[-w:])."""
+    max_gap: float
+    """Largest relative gap between windowed means anywhere along the curves."""
+    tolerance: float
+    candidate_loss: float
+    """Candidate loss averaged over the final window."""
+    reference_loss: float
+    """Reference loss averaged over the final window."""
+    steps: int
+    window: int
+    reason: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "parity_passed": self.passed,
+            "parity_gap": self.gap,
+            "parity_max_gap": self.max_gap,
+            "parity_tolerance": self.tolerance,
+            "parity_candidate_loss": self.candidate_loss,
+            "parity_reference_loss": self.reference_loss,
+            "parity_steps": self.steps,
+            "parity_window": self.window,
+            "parity_reason": self.reason,
+        }
+
+
+def _window_means(values: Sequence[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        if i >= window - 1:
+            out.append(acc / window)
+    return out
+
+
+def parity(
+    candidate: Sequence[float],
+    reference: Sequence[float],
+    *,
+    tolerance: float = DEFAULT_PARITY_TOLERANCE,
+    window: int = DEFAULT_PARITY_WINDOW,
+) -> ParityResult:
+    """Compare a candidate loss curve with a reference run on the same data and seeds.
+
+    Pass when the candidate's final-window mean loss is within `tolerance` (relative) of the
+    reference's, and every value is finite. The curves are compared over their common length.
+    """
+    if tolerance <= 0:
+        raise ValueError(f"tolerance={tolerance} must be > 0")
+    if window < 1:
+        raise ValueError(f"window={window} must be >= 1")
+    n = min(len(candidate), len(reference))
+    if n == 0:
+        raise ValueError("parity needs two non-empty loss curves (per-step training losses)")
+    window = min(window, n)
+    cand = [float(x) for x in candidate[:n]]
+    ref = [float(x) for x in reference[:n]]
+    if not all(math.isfinite(x) for x in ref):
+        raise ValueError("the reference loss curve holds inf/nan; it cannot serve as a reference")
+    bad = next((i for i, x in enumerate(cand) if not math.isfinite(x)), None)
+    cw, rw = _window_means(cand, window) if bad is None else [], _window_means(ref, window)
+    if bad is not None:
+        return ParityResult(False, math.inf, math.inf, tolerance, math.nan, rw[-1], n, window,
+                            f"candidate loss is {cand[bad]} at step {bad + 1}")  # fmt: skip
+    rel = [abs(c - r) / max(abs(r), 1e-12) for c, r in zip(cw, rw)]
+    gap, max_gap = rel[-1], max(rel)
+    passed = gap <= tolerance
+    verdict = "within" if passed else "outside"
+    reason = (
+        f"final {window}-step mean loss {cw[-1]:.4f} vs reference {rw[-1]:.4f}: "
+        f"gap {gap:.2%} {verdict} tolerance {tolerance:.2%}"
+    )
+    return ParityResult(passed, gap, max_gap, tolerance, cw[-1], rw[-1], n, window, reason)
+
+
+__all__ = [
+    "AUTOCAST_DTYPES",
+    "DEFAULT_PARITY_TOLERANCE",
+    "DEFAULT_PARITY_WINDOW",
+    "LossScaler",
+    "ParityResult",
+    "apply_fp8",
+    "autocast",
+    "cpu_supports_fp16",
+    "parity",
+    "resolve_precision",
+]
