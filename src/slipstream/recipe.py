@@ -124,7 +124,15 @@ class OptimizerConfig:
     (foreach on most devices)."""
 
     warmup_steps: int = 0
-    """Linear learning-rate warm-up over this many steps, then constant."""
+    """Linear learning-rate warm-up over this many steps, then optimizer.schedule."""
+
+    schedule: Literal["constant", "cosine", "linear", "one-cycle"] = "constant"
+    """Learning rate after the warm-up: constant; cosine or linear decay to final_lr_ratio * lr at
+    the run's last step; or one-cycle (cosine rise from lr/25 over the warm-up, 30% of the run
+    when warmup_steps=0, then cosine fall to final_lr_ratio * lr). See slipstream.tune.schedules."""
+
+    final_lr_ratio: float = 0.1
+    """cosine, linear and one-cycle: the learning rate at the last step as a fraction of lr."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +267,7 @@ _RANGES: dict[str, tuple[float, float | None]] = {
     "optimizer.weight_decay": (0.0, None),
     "optimizer.grad_clip": (0.0, None),
     "optimizer.warmup_steps": (0, None),
+    "optimizer.final_lr_ratio": (0.0, 1.0),
     "precision.loss_scale_init": (1.0, None),
     "precision.loss_scale_growth_interval": (1, None),
     "compile.cudagraph_max_shapes": (1, None),
