@@ -43,6 +43,18 @@ def bf16() -> Recipe:
     return Recipe(name="bf16", shapes=ShapesConfig(mode="pad_max"), precision=PrecisionConfig(dtype="bf16"))
 
 
+@register_preset("bucket")
+def bucket() -> Recipe:
+    """Pad to 8 planned length buckets with token-budget batches: little padding, at most 8 shapes."""
+    return Recipe(name="bucket", shapes=ShapesConfig(mode="bucket", buckets=8))
+
+
+@register_preset("pack")
+def pack() -> Recipe:
+    """Pack documents into full rows (best-fit-decreasing) with document-masked attention."""
+    return Recipe(name="pack", shapes=ShapesConfig(mode="pack", pack_algorithm="bfd"))
+
+
 def get_preset(name: str) -> Recipe:
     if name not in PRESETS:
         raise RecipeError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")

@@ -39,7 +39,7 @@ class OverflowReport:
     overflowed: int
     """Sequences longer than max_len + 1 tokens."""
     dropped_tokens: int
-    """Training positions lost to truncation."""
+    """Training positions lost to truncation or dropping."""
     items: int
     """Items after overflow handling (split sequences count once per piece)."""
 
@@ -47,7 +47,9 @@ class OverflowReport:
 def _as_int_array(seq: object, index: int) -> np.ndarray:
     arr = seq.numpy() if isinstance(seq, torch.Tensor) else np.asarray(seq)
     if arr.ndim != 1:
-        raise RecipeError(f"sequence {index} has shape {arr.shape}; each sequence must be a 1-D list of token ids")
+        raise RecipeError(
+            f"sequence {index} has shape {arr.shape}; each sequence must be a 1-D list of token ids"
+        )
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise RecipeError(f"sequence {index} holds {arr.dtype} values; token ids must be integers")
     return arr
@@ -70,7 +72,7 @@ def make_items(
         first = int(np.flatnonzero(over)[0])
         raise RecipeError(
             f"{int(over.sum())} sequences are longer than shapes.max_len={cfg.max_len} (first: #{first}, "
-            f"{int(positions[first]) + 1} tokens); set shapes.overflow=truncate or split, or raise max_len"
+            f"{int(positions[first]) + 1} tokens); set shapes.overflow=truncate or split (or drop), or raise max_len"
         )
     seq_ids, starts, lens = [], [], []
     dropped = 0
@@ -78,12 +80,19 @@ def make_items(
         n = int(positions[i])
         if n <= cfg.max_len:
             seq_ids.append(i), starts.append(0), lens.append(n)
+        elif cfg.overflow == "drop":
+            dropped += n
         elif cfg.overflow == "truncate":
             seq_ids.append(i), starts.append(0), lens.append(cfg.max_len)
             dropped += n - cfg.max_len
         else:  # split into max_len pieces; each piece is its own item
             for a in range(0, n, cfg.max_len):
                 seq_ids.append(i), starts.append(a), lens.append(min(cfg.max_len, n - a))
+    if not seq_ids:
+        raise RecipeError(
+            f"shapes.overflow=drop dropped all {int(over.sum())} sequences (all longer than "
+            f"shapes.max_len={cfg.max_len}); raise max_len or use overflow=split"
+        )
     report = OverflowReport(
         sequences=len(positions),
         empty=int((~nonempty).sum()),
@@ -155,7 +164,7 @@ class ShapedLoader:
         self.pad_id = pad_id
         self.rank, self.world_size = rank, world_size
         self.item_seq, self.item_start, item_len, self.overflow = make_items(sequences, cfg, lengths)
-        self.policy: ShapePolicy = get_shape_policy(cfg.mode)(cfg, item_len)
+        self.policy: ShapePolicy = get_shape_policy(cfg.mode)(cfg, item_len, world_size=world_size)
         self.epoch = 0
         self.position = 0
         self._on_batch = on_batch
@@ -227,7 +236,12 @@ class ShapedLoader:
     # -- resume ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "items": len(self.item_seq)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "items": len(self.item_seq),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("seed") != self.seed or state.get("items") != len(self.item_seq):

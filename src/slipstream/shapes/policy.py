@@ -2,7 +2,8 @@
 
 A policy sees only item lengths and plans one epoch as a list of `BatchPlan`s: the row length and,
 for each row, which segments fill it. Collation is shared (`collate.py`), so a new policy (bucket,
-pack) is one class registered here by name; Session never changes.
+pack) is one class registered by name; Session never changes. `bucket` lives in sampler.py and
+`pack` in packing.py.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ class ShapePolicy(ABC):
     uses_document_ids: bool = False
     """True when rows hold several documents, so the model must mask attention across them."""
 
-    def __init__(self, cfg: ShapesConfig, lengths: np.ndarray):
+    def __init__(self, cfg: ShapesConfig, lengths: np.ndarray, world_size: int = 1):
         self.cfg = cfg
+        self.world_size = world_size
+        """Ranks sharing the epoch plan; a policy may group batches so all ranks share each step's shape."""
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if len(self.lengths) == 0:
             raise RecipeError("the dataset is empty: give at least one non-empty sequence")
@@ -97,7 +100,8 @@ def rows_per_batch(cfg: ShapesConfig, row_len: int) -> int:
     return b
 
 
-def _single_segment_rows(order: np.ndarray, lengths: np.ndarray, b: int) -> list[list[tuple[Segment, ...]]]:
+def single_segment_rows(order: np.ndarray, lengths: np.ndarray, b: int) -> list[list[tuple[Segment, ...]]]:
+    """Items in `order`, one per row, b rows per batch; the last batch is filled with empty rows."""
     batches = []
     for i in range(0, len(order), b):
         chunk = order[i : i + b]
@@ -115,7 +119,7 @@ class PadToMax(ShapePolicy):
         b = rows_per_batch(self.cfg, self.cfg.max_len)
         order = rng.permutation(len(self.lengths))
         return [
-            BatchPlan(self.cfg.max_len, tuple(rows)) for rows in _single_segment_rows(order, self.lengths, b)
+            BatchPlan(self.cfg.max_len, tuple(rows)) for rows in single_segment_rows(order, self.lengths, b)
         ]
 
 
@@ -127,7 +131,7 @@ class PadToBatchLongest(ShapePolicy):
         b = rows_per_batch(self.cfg, self.cfg.max_len)
         order = rng.permutation(len(self.lengths))
         plans = []
-        for rows in _single_segment_rows(order, self.lengths, b):
+        for rows in single_segment_rows(order, self.lengths, b):
             longest = max((len(r[0]) for r in rows if r), default=1)
             plans.append(BatchPlan(longest, tuple(rows)))
         return plans

@@ -5,6 +5,11 @@
 - position_ids restart per document when rows are packed,
 - document_ids [B, T] restrict attention to tokens of the same document (block-diagonal causal).
 The loss goes through `self.loss_head` so fused kernels can replace it on the instance.
+
+Document masking per device (GPTConfig.attention="auto"): FlexAttention with a block mask on CUDA
+(skips whole blocks of other documents), SDPA with a [B, 1, T, T] bool mask elsewhere, because
+FlexAttention's backward is not implemented on CPU in torch 2.13. Without document_ids attention
+is plain causal SDPA (is_causal=True), which padding at the end of a row never disturbs.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ..shapes.ops import count_tokens
 
 IGNORE_INDEX = -100
 
@@ -38,6 +45,9 @@ class GPTConfig:
     """Normalisation layer."""
     dropout: float = 0.0
     """Dropout probability (0 keeps runs deterministic and comparable)."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """Document-masked attention for packed rows: SDPA with a bool mask, FlexAttention with a block
+    mask, or auto (flex on CUDA, sdpa elsewhere: flex has no CPU backward in torch 2.13)."""
 
 
 GPT_SIZES: dict[str, GPTConfig] = {
@@ -45,6 +55,51 @@ GPT_SIZES: dict[str, GPTConfig] = {
     "small": GPTConfig(d_model=256, n_layers=4, n_heads=4),
     "gpt2-124m": GPTConfig(d_model=768, n_layers=12, n_heads=12),
 }
+
+
+def document_attention_backend(choice: str, device: torch.device) -> str:
+    """Which document-masked attention runs on `device` for GPTConfig.attention=`choice`."""
+    if choice == "auto":
+        return "flex" if device.type == "cuda" and _flex_available() else "sdpa"
+    if choice == "flex" and not _flex_available():
+        raise RuntimeError("attention='flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    return choice
+
+
+def _flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: object) -> Tensor:
+    """FlexAttention is only fast compiled; on CUDA compile it once per process, lazily (no
+    import-time work). Elsewhere run it eager: the reference path, forward-only on CPU in torch 2.13."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=block_mask)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask)
+
+
+def document_block_mask(document_ids: Tensor) -> object:
+    """FlexAttention BlockMask: causal and within one document (blocks of other documents skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = document_ids.shape
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
 
 
 class LMHeadLoss(nn.Module):
@@ -107,15 +162,20 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: object | None) -> Tensor:
+        """attn_mask: None (causal), a bool [B, 1, T, T] tensor (SDPA) or a FlexAttention BlockMask."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         if attn_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        else:
+        elif isinstance(attn_mask, Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        else:
+            if p > 0:
+                raise ValueError("attention='flex' does not apply dropout; set dropout=0 or attention='sdpa'")
+            y = _flex_attention(q, k, v, attn_mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -131,7 +191,7 @@ class Block(nn.Module):
         self.ln_2 = _norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: object | None) -> Tensor:
         x = x + self.attn(self.ln_1(x), attn_mask)
         return x + self.mlp(self.ln_2(x))
 
@@ -179,11 +239,17 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds the model's max_len {self.config.max_len}")
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        attn_mask = None if document_ids is None else document_causal_mask(document_ids)
+        attn_mask = None if document_ids is None else self.document_mask(document_ids)
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for block in self.blocks:
             x = block(x, attn_mask)
         return self.ln_f(x)
+
+    def document_mask(self, document_ids: Tensor) -> object:
+        """Built once per forward and shared by every block (not rebuilt per layer)."""
+        if document_attention_backend(self.config.attention, document_ids.device) == "flex":
+            return document_block_mask(document_ids)
+        return document_causal_mask(document_ids)
 
     def forward(
         self,
@@ -193,11 +259,21 @@ class GPT(nn.Module):
         document_ids: Tensor | None = None,
         reduction: Literal["mean", "sum", "none"] = "mean",
     ) -> Tensor:
-        """Loss when labels are given (mean over non-ignored tokens by default), else logits."""
+        """Loss when labels are given (mean over non-ignored tokens by default), else logits.
+
+        The mean is sum / count with the count kept on the device (mask-free, no .item()), and a
+        batch without a single real token gives 0 rather than nan (an all-padding batch can occur
+        at the end of a sharded epoch).
+        """
         h = self.hidden_states(input_ids, position_ids, document_ids)
         if labels is None:
             return self.lm_head(h)
-        loss = self.loss_head(h.reshape(-1, h.shape[-1]), self.lm_head.weight, labels.reshape(-1), reduction)
+        head_reduction = "sum" if reduction == "mean" else reduction
+        loss = self.loss_head(
+            h.reshape(-1, h.shape[-1]), self.lm_head.weight, labels.reshape(-1), head_reduction
+        )
+        if reduction == "mean":
+            return loss / count_tokens(labels, IGNORE_INDEX).clamp(min=1)
         return loss.view(labels.shape) if reduction == "none" else loss
 
 
