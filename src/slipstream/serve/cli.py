@@ -1,0 +1,318 @@
+"""`slipstream serve`, `slipstream loadtest` and `slipstream quantize-eval`.
+
+`add_parser(subparsers)` registers the commands on the top-level CLI; `main(argv)` runs them
+standalone (`python -m slipstream.serve.cli serve ...`). Bad input raises RecipeError (one line,
+exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+EXAMPLES = {
+    "serve": """examples:
+  slipstream serve --workload gpt-stdlib --checkpoint runs/a/checkpoint.pt --port 8000
+  slipstream serve --size small --dtype bf16 --max-batch-size 32 --latency-budget-ms 200
+  slipstream serve --checkpoint runs/a --quantize int8-dynamic --generate-slots 8
+  curl -s 127.0.0.1:8000/v1/score -d '{"text": "def f(x):\\n    return x\\n"}' -H 'content-type: application/json'
+""",
+    "loadtest": """examples:
+  slipstream loadtest --url http://127.0.0.1:8000/v1/score --rate 50 --duration 30 --json open.json
+  slipstream loadtest --concurrency 8 --duration 20
+  slipstream loadtest --sweep --slo-ms 500 --start-rate 5 --json sweep.json
+  slipstream loadtest --url http://127.0.0.1:8000/v1/generate --endpoint generate --stream --rate 2
+""",
+    "quantize-eval": """examples:
+  slipstream quantize-eval --checkpoint runs/a/checkpoint.pt --json quant.json
+  slipstream quantize-eval --size small --modes none,bf16,int8-weight-only,int8-dynamic --docs 100
+""",
+}
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    import json
+
+    from ..recipe import atomic_write_text
+
+    atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def build_app_from_args(args: argparse.Namespace):
+    """The model, engine(s) and FastAPI app the `serve` flags describe."""
+    import torch
+
+    from ..recipe import RecipeError
+    from ..session import resolve_device
+    from ..workloads.registry import get_workload
+    from .app import create_app
+    from .engine import EngineConfig, ScoreEngine
+    from .model import load_model
+    from .quantize import quantize_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    if args.dtype == "bf16" and args.quantize not in ("none",):
+        raise RecipeError("--dtype bf16 with --quantize: choose one (--quantize bf16 casts the weights)")
+    loaded = load_model(args.workload, args.size, args.checkpoint, device, max_len=args.max_len)
+    quantize_model(loaded.model, args.quantize)
+    try:
+        lengths = get_workload(args.workload).load_data().validation_lengths
+    except Exception as err:  # planning falls back to a single max_len bucket; say so
+        print(f"slipstream serve: no length histogram ({err}); planning one row length", file=sys.stderr)
+        lengths = None
+    cfg = EngineConfig(
+        max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens,
+        n_lengths=args.buckets,
+        max_queue=args.max_queue,
+        latency_budget_s=args.latency_budget_ms / 1000,
+        default_timeout_s=args.timeout_ms / 1000,
+        dtype=args.dtype,
+    )
+    engine = ScoreEngine(loaded, cfg, expected_lengths=lengths)
+    generator = None
+    if args.generate_slots:
+        from .generate import Generator, GeneratorConfig
+
+        generator = Generator(
+            loaded,
+            GeneratorConfig(
+                slots=args.generate_slots, policy=args.batching, dtype=args.dtype, compile=args.compile_decode
+            ),
+            metrics=engine.metrics,
+            lock=engine._lock,
+        )
+    token = args.token or os.environ.get("SLIPSTREAM_SERVE_TOKEN") or None
+    app = create_app(
+        engine, generator, token=token, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout
+    )
+    return app, engine, loaded
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .app import run_server
+
+    app, engine, loaded = build_app_from_args(args)
+    print(
+        f"slipstream serve: {loaded.workload}/{loaded.size} from {loaded.source}, "
+        f"{len(engine.plan.shapes)} shapes, lengths {list(engine.plan.lengths)}; "
+        f"warming up, then http://{args.host}:{args.port} (ready at /readyz)",
+        file=sys.stderr,
+        flush=True,
+    )
+    rc = run_server(app, args.host, args.port, args.drain_timeout)
+    stats = engine.stats
+    summary = {
+        "requests": stats.requests,
+        "batches": stats.batches,
+        "mean_batch_size": stats.requests / stats.batches if stats.batches else None,
+        "real_tokens": stats.real_tokens,
+        "padded_tokens": stats.padded_tokens,
+        "expired": stats.expired,
+        "failed_batches": stats.failed_batches,
+        "shapes_run": stats.shapes_run,
+        "shape_latency_s": {f"{b}x{L}": t for (b, L), t in engine.plan.latency_s.items()},
+    }
+    _write_json(args.json, summary)
+    print(f"slipstream serve: drained; {stats.requests} requests in {stats.batches} batches", file=sys.stderr)
+    return rc
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from ..recipe import RecipeError
+    from . import loadgen
+
+    loadgen.check_loopback(args.url)
+    payloads = loadgen.validation_payloads(
+        max_tokens=args.max_tokens, endpoint=args.endpoint, max_new_tokens=args.max_new_tokens
+    )
+    if args.stream:
+        payloads = [{**p, "stream": True} for p in payloads]
+    modes = sum(x is not None and x is not False for x in (args.rate, args.concurrency, args.sweep or None))
+    if modes != 1:
+        raise RecipeError(
+            "choose exactly one of --rate R (open loop), --concurrency C (closed loop), --sweep"
+        )
+    if args.sweep:
+        if args.slo_ms is None:
+            raise RecipeError("--sweep needs --slo-ms (the p99 latency target)")
+        res = asyncio.run(
+            loadgen.sweep(
+                {"target": args.url},
+                payloads,
+                slo_p99_s=args.slo_ms / 1000,
+                start_rps=args.start_rate,
+                step_duration_s=args.duration,
+                seed=args.seed,
+            )
+        )["target"]
+        out = res.to_json()
+        print(f"max rate with p99 <= {args.slo_ms} ms: {res.max_rate_rps} req/s (p99 {res.p99_at_max_s})")
+    else:
+        if args.rate is not None:
+            res = asyncio.run(
+                loadgen.open_loop(
+                    args.url, payloads, args.rate, args.duration, seed=args.seed, stream=args.stream
+                )
+            )
+        else:
+            res = asyncio.run(
+                loadgen.closed_loop(
+                    args.url, payloads, args.concurrency, args.duration, seed=args.seed, stream=args.stream
+                )
+            )
+        out = res.to_json()
+        ms = lambda v: "-" if v is None else f"{v * 1000:.1f} ms"  # noqa: E731
+        print(
+            f"{res.mode}-loop: sent {res.sent}, ok {res.ok}, {res.throughput_rps:.1f} req/s, "
+            f"p50 {ms(res.p50_s)}, p90 {ms(res.p90_s)}, p99 {ms(res.p99_s)}, errors {res.errors_by_status}"
+            + (f", ttft p99 {ms(res.ttft_p99_s)}" if res.ttft_p99_s is not None else "")
+        )
+    _write_json(args.json, out)
+    return 0
+
+
+def cmd_quantize_eval(args: argparse.Namespace) -> int:
+    from ..recipe import RecipeError
+    from .quantize import QUANT_MODES, quantize_eval
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in QUANT_MODES]
+    if bad:
+        raise RecipeError(f"--modes: unknown {bad}; choose from {', '.join(QUANT_MODES)}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    res = quantize_eval(args.workload, args.size, args.checkpoint, modes, n_docs=args.docs, reps=args.reps)
+    for row in res["results"]:
+        lat = ", ".join(
+            f"{k.removeprefix('latency_').removesuffix('_median_s')} {v * 1000:.1f} ms"
+            for k, v in row.items()
+            if k.startswith("latency_")
+        )
+        print(
+            f"{row['mode']:>17}: val loss {row['validation_loss_nats']:.4f} (delta {row['loss_delta_vs_fp32_nats']:+.4f}), {lat}"
+        )
+    _write_json(args.json, res)
+    return 0
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
+    p.add_argument("--size", default=None, help="model size (default: the checkpoint's, else small)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint.pt, its folder, or a .safetensors file (default: random init)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+
+
+def add_parser(subparsers) -> None:
+    def new(name: str, help_: str) -> argparse.ArgumentParser:
+        return subparsers.add_parser(
+            name,
+            help=help_,
+            description=help_,
+            epilog=EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    p = new("serve", "serve a model over HTTP with dynamic batching into planned static shapes")
+    _model_args(p)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (bf16 = autocast)"
+    )
+    p.add_argument("--quantize", default="none", help="none, bf16, int8-weight-only, int8-dynamic (torchao)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=1024,
+        help="positions of a random-init model (a checkpoint sets its own)",
+    )
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="padded tokens per forward at most")
+    p.add_argument("--buckets", type=int, default=4, help="planned row lengths (the longest is max_len)")
+    p.add_argument("--max-queue", type=int, default=512, help="waiting requests at most; more get 503")
+    p.add_argument(
+        "--latency-budget-ms", type=float, default=500.0, help="batch window and load-shedding target"
+    )
+    p.add_argument("--timeout-ms", type=float, default=10000.0, help="default request deadline (504 past it)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"
+    )
+    p.add_argument(
+        "--token", default=None, help="require 'Authorization: Bearer TOKEN' (or set SLIPSTREAM_SERVE_TOKEN)"
+    )
+    p.add_argument("--generate-slots", type=int, default=0, help="KV-cache slots for /v1/generate (0 = off)")
+    p.add_argument(
+        "--batching",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="generation batching policy",
+    )
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="torch.compile the decode step (slow first start on CPU)",
+    )
+    p.add_argument("--json", default=None, help="write batching statistics here at exit")
+    p.set_defaults(fn=cmd_serve)
+
+    p = new("loadtest", "drive a local server with open-loop Poisson, closed-loop, or SLO-sweep load")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1/score", help="loopback URL of the endpoint")
+    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    p.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight")
+    p.add_argument("--sweep", action="store_true", help="find the highest rate with p99 <= --slo-ms")
+    p.add_argument("--slo-ms", type=float, default=None, help="p99 target for --sweep")
+    p.add_argument("--start-rate", type=float, default=5.0, help="first rate of --sweep")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per run (per step in --sweep)")
+    p.add_argument("--endpoint", choices=("score", "generate"), default="score", help="payload kind")
+    p.add_argument("--stream", action="store_true", help="generate: stream and measure time to first token")
+    p.add_argument("--max-tokens", type=int, default=1024, help="truncate score payloads to this many tokens")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="generate payloads: tokens to produce")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the result here")
+    p.set_defaults(fn=cmd_loadtest)
+
+    p = new("quantize-eval", "validation-loss delta and latency of bf16 / int8 serving vs fp32")
+    _model_args(p)
+    p.add_argument("--modes", default="none,bf16,int8-weight-only,int8-dynamic", help="comma-separated modes")
+    p.add_argument("--docs", type=int, default=200, help="validation documents")
+    p.add_argument("--reps", type=int, default=5, help="interleaved latency repetitions")
+    p.add_argument("--json", default=None, help="write the result here")
+    p.set_defaults(fn=cmd_quantize_eval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..checkpoint import CheckpointError
+    from ..recipe import RecipeError
+
+    parser = argparse.ArgumentParser(prog="slipstream")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (RecipeError, CheckpointError) as err:
+        print(f"slipstream {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"slipstream {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""The scoring engine: an asyncio queue feeding an adaptive batcher over planned static shapes.
+
+Flow: `score()` admits a request (or refuses it at once: 503 when the queue is full or the
+predicted wait already exceeds the shedding budget, 413 when it is too long) → the batcher takes
+the oldest request and keeps collecting while waiting is still affordable → expired requests are
+answered 504 without compute → `partition` cuts the rest into planned shapes → each shape runs on
+one compute thread (the event loop keeps admitting meanwhile) → results are split per request.
+
+The batch window is adaptive (after BentoML): with the oldest request's age `w`, the predicted
+latency `t(n+1)` of the batch with one more request (measured per shape at warm-up, then an
+EWMA of real batches) and the mean gap `g` between arrivals, the batch closes when
+`w + t(n+1) + g > latency_budget_s` — i.e. when waiting for one more request would be expected to
+break the budget — or when it is full. Under load the queue is never empty when the compute thread
+frees up, so batches fill without any waiting at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ..workloads.corpus import PAD_ID
+from .batching import ShapePlan, partition, plan_shapes
+from .metrics import ServeMetrics
+from .model import LoadedModel
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16
+    """Most requests in one forward pass."""
+    max_batch_tokens: int = 8192
+    """Most (padded) tokens in one forward pass; caps the batch size of long rows."""
+    n_lengths: int = 4
+    """Planned row lengths (buckets), the longest being the model's max_len."""
+    max_queue: int = 512
+    """Requests waiting at most; more are refused with 503."""
+    latency_budget_s: float = 0.5
+    """Target latency (queue + compute) the batch window keeps to."""
+    shed_wait_s: float | None = None
+    """Refuse (503) a request whose predicted queue wait exceeds this; None = latency_budget_s."""
+    default_timeout_s: float = 10.0
+    """Deadline of a request that names none; past it the request gets 504 without compute."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype: bf16 runs under autocast."""
+    warmup_reps: int = 3
+    """Forward passes per shape at warm-up (the median of all but the first is the shape's latency)."""
+
+
+class ServeError(Exception):
+    """A request that cannot be served; carries the HTTP status and a message naming the fix."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray
+    row_length: int
+    admitted: float
+    deadline: float
+    future: asyncio.Future
+    want_token_logprobs: bool
+
+
+@dataclass
+class EngineStats:
+    batches: int = 0
+    requests: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    expired: int = 0
+    failed_batches: int = 0
+    shapes_run: dict[str, int] = field(default_factory=dict)
+
+
+def _autocast(device: torch.device, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class ScoreEngine:
+    """Scores token sequences (log-prob of each token given its prefix) in dynamic batches."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        expected_lengths: np.ndarray | list[int] | None = None,
+        metrics: ServeMetrics | None = None,
+    ):
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.metrics = metrics or ServeMetrics()
+        self.device = next(loaded.model.parameters()).device
+        lengths = expected_lengths if expected_lengths is not None else [loaded.max_len]
+        self.plan: ShapePlan = plan_shapes(
+            lengths,
+            max_len=loaded.max_len,
+            n_lengths=self.config.n_lengths,
+            max_batch_size=self.config.max_batch_size,
+            max_batch_tokens=self.config.max_batch_tokens,
+        )
+        self.stats = EngineStats()
+        self.ready = False
+        self.draining = False
+        self._queue: asyncio.Queue[_Request] | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-score")
+        self._queued_tokens = 0
+        self._inflight_tokens = 0
+        self._inflight = 0
+        self._gap_s = 1.0  # EWMA of the time between arrivals
+        self._last_arrival: float | None = None
+        self._lock = threading.Lock()  # forward passes are serialised (the generator may share the model)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def warmup(self) -> dict[str, float]:
+        """Run every planned shape `warmup_reps` times; record the median latency per shape."""
+        reps = max(2, self.config.warmup_reps)
+        for b, L in self.plan.shapes:
+            rows = [np.full(L, 1, dtype=np.int64)] * b
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                self._forward(rows, b, L)
+                times.append(time.perf_counter() - t0)
+            self.plan.latency_s[(b, L)] = statistics.median(times[1:])
+        return {f"{b}x{L}": t for (b, L), t in self.plan.latency_s.items()}
+
+    async def start(self, warmup: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        if warmup:
+            await loop.run_in_executor(self._executor, self.warmup)
+        self._queue = asyncio.Queue(maxsize=self.config.max_queue)
+        self._task = asyncio.create_task(self._batcher(), name="slipstream-batcher")
+        self.ready = True
+
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop admitting; let queued and in-flight requests finish. True if everything finished."""
+        self.draining = True
+        self.ready = False
+        deadline = time.monotonic() + timeout_s
+        while (self.queue_depth or self._inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        done = not (self.queue_depth or self._inflight)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return done
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize() if self._queue is not None else 0
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def predicted_wait_s(self) -> float:
+        return (self._queued_tokens + self._inflight_tokens) * self.plan.seconds_per_token()
+
+    async def score(
+        self, tokens: list[int] | np.ndarray, timeout_s: float | None = None, token_logprobs: bool = False
+    ) -> dict:
+        if self._queue is None or self.draining:
+            self.metrics.rejections.labels("draining" if self.draining else "not_ready").inc()
+            raise ServeError(
+                503, "server is not accepting requests (starting or draining); retry shortly", 1.0
+            )
+        arr = np.asarray(tokens, dtype=np.int64)
+        n = int(arr.shape[0]) if arr.ndim == 1 else -1
+        if n < 2:
+            raise ServeError(
+                422, "a sequence to score needs at least 2 tokens (the first token is only context)"
+            )
+        if n > self.plan.max_len:
+            self.metrics.rejections.labels("too_long").inc()
+            raise ServeError(
+                413, f"sequence of {n} tokens exceeds the model's max_len {self.plan.max_len}; split it"
+            )
+        if arr.min() < 0 or arr.max() >= self.loaded.vocab_size:
+            raise ServeError(422, f"token ids must lie in [0, {self.loaded.vocab_size})")
+        timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ServeError(422, "timeout_s must be a positive number of seconds")
+        L = self.plan.length_for(n)
+        wait = self.predicted_wait_s()
+        shed = self.config.latency_budget_s if self.config.shed_wait_s is None else self.config.shed_wait_s
+        if wait > min(shed, timeout):
+            self.metrics.rejections.labels("predicted_wait").inc()
+            raise ServeError(
+                503, f"overloaded: predicted queue wait {wait:.3f}s exceeds the budget", max(1.0, wait)
+            )
+        now = time.monotonic()
+        if self._last_arrival is not None:
+            self._gap_s = 0.9 * self._gap_s + 0.1 * (now - self._last_arrival)
+        self._last_arrival = now
+        req = _Request(arr, L, now, now + timeout, asyncio.get_running_loop().create_future(), token_logprobs)
+        try:
+            self._queue.put_nowait(req)
+        except asyncio.QueueFull:
+            self.metrics.rejections.labels("queue_full").inc()
+            raise ServeError(
+                503, f"queue full ({self.config.max_queue} waiting); retry later", max(1.0, wait)
+            ) from None
+        self._queued_tokens += L
+        self.metrics.queue_depth.set(self.queue_depth)
+        return await req.future
+
+    # -- batching --------------------------------------------------------------------------------
+
+    def _take(self, batch: list[_Request]) -> None:
+        req = self._queue.get_nowait()
+        self._queued_tokens -= req.row_length
+        batch.append(req)
+
+    async def _collect(self) -> list[_Request]:
+        first = await self._queue.get()
+        self._queued_tokens -= first.row_length
+        batch = [first]
+        cfg = self.config
+        while len(batch) < cfg.max_batch_size:
+            while self._queue.qsize() and len(batch) < cfg.max_batch_size:
+                self._take(batch)
+            if len(batch) >= cfg.max_batch_size or self.draining:
+                break
+            L = max(r.row_length for r in batch)
+            b = self.plan.batch_for(len(batch) + 1, L)
+            if b is None:
+                break
+            age = time.monotonic() - first.admitted
+            slack = cfg.latency_budget_s - age - self.plan.predict(b, L)
+            if slack <= self._gap_s:
+                break  # the next arrival is not expected in time to be worth the wait
+            try:
+                req = await asyncio.wait_for(self._queue.get(), timeout=min(slack, 2 * self._gap_s))
+            except TimeoutError:
+                break
+            self._queued_tokens -= req.row_length
+            batch.append(req)
+        return batch
+
+    async def _batcher(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            self.metrics.queue_depth.set(self.queue_depth)
+            now = time.monotonic()
+            live = []
+            for r in batch:
+                if r.future.done():  # the client went away
+                    continue
+                if now > r.deadline:
+                    self.stats.expired += 1
+                    self.metrics.rejections.labels("deadline").inc()
+                    r.future.set_exception(
+                        ServeError(504, "deadline passed while queued; raise timeout_s or retry")
+                    )
+                    continue
+                live.append(r)
+            if not live:
+                continue
+            groups = partition([len(r.tokens) for r in live], self.plan)
+            groups.sort(key=lambda g: min(live[i].deadline for i in g[0]))  # earliest deadline first
+            self._inflight = len(live)
+            self._inflight_tokens = sum(b * L for _, b, L in groups)
+            try:
+                for idx, b, L in groups:
+                    reqs = [live[i] for i in idx]
+                    start = time.monotonic()
+                    for r in reqs:
+                        self.metrics.queue_seconds.observe(start - r.admitted)
+                    try:
+                        out = await loop.run_in_executor(
+                            self._executor, self._timed_forward, [r.tokens for r in reqs], b, L
+                        )
+                    except Exception as err:  # a failing batch fails only its own requests
+                        self.stats.failed_batches += 1
+                        for r in reqs:
+                            if not r.future.done():
+                                r.future.set_exception(
+                                    ServeError(500, f"batch failed: {type(err).__name__}: {err}")
+                                )
+                        continue
+                    finally:
+                        self._inflight -= len(reqs)
+                        self._inflight_tokens -= b * L
+                    nll, seconds = out
+                    self._record(reqs, b, L, seconds)
+                    for r, row in zip(reqs, nll):
+                        if not r.future.done():
+                            r.future.set_result(_score_result(row, r.want_token_logprobs))
+            finally:
+                self._inflight = 0
+                self._inflight_tokens = 0
+
+    def _record(self, reqs: list[_Request], b: int, L: int, seconds: float) -> None:
+        real = sum(len(r.tokens) for r in reqs)
+        self.plan.observe(b, L, seconds)
+        self.stats.batches += 1
+        self.stats.requests += len(reqs)
+        self.stats.real_tokens += real
+        self.stats.padded_tokens += b * L - real
+        key = f"{b}x{L}"
+        self.stats.shapes_run[key] = self.stats.shapes_run.get(key, 0) + 1
+        self.metrics.batch_size.observe(len(reqs))
+        self.metrics.compute_seconds.observe(seconds)
+        self.metrics.real_tokens.inc(real)
+        self.metrics.padded_tokens.inc(b * L - real)
+
+    # -- compute (runs on the compute thread) -----------------------------------------------------
+
+    def _timed_forward(self, rows: list[np.ndarray], b: int, L: int) -> tuple[list[np.ndarray], float]:
+        t0 = time.perf_counter()
+        out = self._forward(rows, b, L)
+        return out, time.perf_counter() - t0
+
+    def _forward(self, rows: list[np.ndarray], b: int, L: int) -> list[np.ndarray]:
+        """Negative log-likelihood of tokens 1..n-1 of each row, padded into one (b, L) forward."""
+        x = torch.full((b, L), PAD_ID, dtype=torch.long)
+        labels = torch.full((b, L), IGNORE_INDEX, dtype=torch.long)
+        for i, row in enumerate(rows):
+            t = torch.from_numpy(np.ascontiguousarray(row))
+            x[i, : len(row)] = t
+            labels[i, : len(row) - 1] = t[1:]
+        x, labels = x.to(self.device), labels.to(self.device)
+        with self._lock, torch.inference_mode(), _autocast(self.device, self.config.dtype):
+            nll = self.loaded.model(x, labels=labels, reduction="none")
+        nll = nll.float().cpu().numpy()
+        return [nll[i, : len(row) - 1] for i, row in enumerate(rows)]
+
+
+def _score_result(nll: np.ndarray, token_logprobs: bool) -> dict:
+    n = int(nll.shape[0])
+    total = float(-nll.sum(dtype=np.float64))
+    out = {"scored_tokens": n, "logprob_sum": total, "loss": -total / n}
+    if token_logprobs:
+        out["token_logprobs"] = (-nll).astype(float).tolist()
+    return out
+
+
+def score_reference(loaded: LoadedModel, tokens: list[int]) -> dict:
+    """One sequence alone, unpadded, through model(input_ids) -> logits (tests compare against it)."""
+    x = torch.as_tensor([tokens], dtype=torch.long, device=next(loaded.model.parameters()).device)
+    with torch.inference_mode():
+        logits = loaded.model(x).float()
+    logp = torch.log_softmax(logits[0, :-1], dim=-1).gather(1, x[0, 1:, None])[:, 0]
+    return _score_result((-logp).cpu().numpy(), True)

@@ -1,0 +1,336 @@
+"""Load generator: open-loop Poisson, closed-loop concurrency, and a sweep for the highest rate
+whose p99 stays under an SLO.
+
+Open loop: arrival times are drawn up front (exponential gaps, seeded); each request's latency is
+measured from its *intended* send time, so a stalled server or a saturated client shows up as
+latency instead of silently lowering the offered rate (no coordinated omission). Closed loop: C
+workers, each sending its next request when the previous one answers.
+
+Targets are loopback only (127.0.0.1 / localhost / ::1); every loop is bounded by a request count
+and by time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+import numpy as np
+
+from ..recipe import RecipeError
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname
+    if host not in LOOPBACK:
+        raise RecipeError(f"--url {url!r}: load tests target only this machine (127.0.0.1, localhost, ::1)")
+
+
+@dataclass
+class LoadResult:
+    mode: str
+    """'open' (Poisson arrivals) or 'closed' (fixed concurrency)."""
+    url: str
+    offered_rate_rps: float | None
+    concurrency: int | None
+    duration_s: float
+    sent: int
+    ok: int
+    errors_by_status: dict[str, int]
+    """Non-200 answers by status; 'timeout' and 'connect' for transport failures."""
+    throughput_rps: float
+    """200 answers per second of the run."""
+    p50_s: float | None
+    p90_s: float | None
+    p99_s: float | None
+    max_s: float | None
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    tokens_per_s: float | None = None
+    late_sends: int = 0
+    """Open loop: sends that started > 10 ms after their intended time (client saturated)."""
+
+    def passes(self, slo_p99_s: float, max_error_fraction: float = 0.01) -> bool:
+        if self.p99_s is None or self.sent == 0:
+            return False
+        errors = self.sent - self.ok
+        return self.p99_s <= slo_p99_s and errors <= max_error_fraction * self.sent
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Record:
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    statuses: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    sent: int = 0
+    late: int = 0
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+async def _send(client, url: str, payload: dict, origin: float, rec: _Record, stream: bool) -> None:
+    """One request; latency (and time to first token when streaming) measured from `origin`."""
+    import httpx
+
+    rec.sent += 1
+    try:
+        if stream:
+            async with client.stream("POST", url, json=payload) as resp:
+                n, first = 0, None
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:") and '"token"' in line:
+                        n += 1
+                        if first is None:
+                            first = time.perf_counter() - origin
+                status = resp.status_code
+                if status == 200 and first is not None:
+                    rec.ttfts.append(first)
+                    rec.tokens += n
+        else:
+            resp = await client.post(url, json=payload)
+            status = resp.status_code
+            if status == 200 and "generate" in url:
+                rec.tokens += len(resp.json().get("tokens", []))
+    except httpx.TimeoutException:
+        rec.statuses["timeout"] += 1
+        return
+    except httpx.TransportError:
+        rec.statuses["connect"] += 1
+        return
+    rec.statuses[str(status)] += 1
+    if status == 200:
+        rec.latencies.append(time.perf_counter() - origin)
+
+
+def _result(mode, url, rate, conc, elapsed, rec: _Record) -> LoadResult:
+    ok = rec.statuses.get("200", 0)
+    return LoadResult(
+        mode=mode,
+        url=url,
+        offered_rate_rps=rate,
+        concurrency=conc,
+        duration_s=elapsed,
+        sent=rec.sent,
+        ok=ok,
+        errors_by_status={k: v for k, v in sorted(rec.statuses.items()) if k != "200"},
+        throughput_rps=ok / elapsed if elapsed > 0 else 0.0,
+        p50_s=_pct(rec.latencies, 50),
+        p90_s=_pct(rec.latencies, 90),
+        p99_s=_pct(rec.latencies, 99),
+        max_s=max(rec.latencies) if rec.latencies else None,
+        ttft_p50_s=_pct(rec.ttfts, 50),
+        ttft_p99_s=_pct(rec.ttfts, 99),
+        tokens_per_s=rec.tokens / elapsed if rec.tokens and elapsed > 0 else None,
+        late_sends=rec.late,
+    )
+
+
+def _client(max_connections: int, timeout_s: float):
+    import httpx
+
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    )
+
+
+async def open_loop(
+    url: str,
+    payloads: Sequence[dict],
+    rate_rps: float,
+    duration_s: float,
+    *,
+    seed: int = 0,
+    timeout_s: float = 30.0,
+    max_connections: int = 256,
+    stream: bool = False,
+) -> LoadResult:
+    """Poisson arrivals at `rate_rps` for `duration_s`; latency from the intended send time."""
+    check_loopback(url)
+    if not (rate_rps > 0 and duration_s > 0) or not payloads:
+        raise RecipeError("--rate and --duration must be > 0 and there must be payloads")
+    rng = np.random.default_rng(seed)
+    n_max = int(rate_rps * duration_s * 3 + 100)  # bound on the schedule's length
+    gaps = rng.exponential(1.0 / rate_rps, size=n_max)
+    times = np.cumsum(gaps)
+    times = times[times < duration_s]
+    picks = rng.integers(0, len(payloads), size=len(times))
+    rec = _Record()
+    async with _client(max_connections, timeout_s) as client:
+        start = time.perf_counter()
+        tasks = []
+        for t, k in zip(times, picks):
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif delay < -0.01:
+                rec.late += 1
+            tasks.append(asyncio.create_task(_send(client, url, payloads[k], start + t, rec, stream)))
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s + 5)
+        elapsed = time.perf_counter() - start
+    return _result("open", url, rate_rps, None, elapsed, rec)
+
+
+async def closed_loop(
+    url: str,
+    payloads: Sequence[dict],
+    concurrency: int,
+    duration_s: float,
+    *,
+    seed: int = 0,
+    timeout_s: float = 30.0,
+    stream: bool = False,
+) -> LoadResult:
+    """`concurrency` workers, each sending its next request when the previous one answers."""
+    check_loopback(url)
+    if concurrency < 1 or duration_s <= 0 or not payloads:
+        raise RecipeError("--concurrency must be >= 1, --duration > 0, and there must be payloads")
+    rng = np.random.default_rng(seed)
+    rec = _Record()
+    async with _client(concurrency, timeout_s) as client:
+        start = time.perf_counter()
+        end = start + duration_s
+
+        async def worker():
+            while time.perf_counter() < end:
+                await _send(
+                    client, url, payloads[int(rng.integers(len(payloads)))], time.perf_counter(), rec, stream
+                )
+
+        await asyncio.wait(
+            [asyncio.create_task(worker()) for _ in range(concurrency)], timeout=duration_s + timeout_s + 5
+        )
+        elapsed = time.perf_counter() - start
+    return _result("closed", url, None, concurrency, elapsed, rec)
+
+
+@dataclass
+class SweepResult:
+    url: str
+    slo_p99_s: float
+    max_rate_rps: float | None
+    """Highest offered rate that passed (p99 <= SLO and errors <= 1%); None if even the first failed."""
+    p99_at_max_s: float | None
+    steps: list[dict]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+async def sweep(
+    targets: dict[str, str],
+    payloads: Sequence[dict],
+    *,
+    slo_p99_s: float,
+    start_rps: float = 5.0,
+    factor: float = 1.5,
+    refine_steps: int = 3,
+    step_duration_s: float = 10.0,
+    max_steps: int = 20,
+    max_rps: float = 5000.0,
+    seed: int = 0,
+    pause_s: float = 1.0,
+) -> dict[str, SweepResult]:
+    """Find each target's highest Poisson rate with p99 <= SLO, the targets measured side by side.
+
+    Rates grow geometrically from `start_rps` until a step fails, then `refine_steps` bisections
+    between the last pass and the first fail. Each round runs every unfinished target once at its
+    own next rate, alternating the order (A B, B A, ...), so slow drift of a shared machine hits
+    all targets alike.
+    """
+    for url in targets.values():
+        check_loopback(url)
+    state = {
+        name: {
+            "lo": None,
+            "hi": None,
+            "next": start_rps,
+            "steps": [],
+            "done": False,
+            "p99": None,
+            "refining": False,
+            "refined": 0,
+        }
+        for name in targets
+    }
+    names = list(targets)
+    for round_no in range(max_steps):
+        active = [n for n in names if not state[n]["done"]]
+        if not active:
+            break
+        order = active if round_no % 2 == 0 else active[::-1]
+        for name in order:
+            st = state[name]
+            rate = st["next"]
+            res = await open_loop(targets[name], payloads, rate, step_duration_s, seed=seed + round_no)
+            ok = res.passes(slo_p99_s)
+            st["steps"].append({"rate_rps": rate, "passed": ok, **res.to_json()})
+            if ok:
+                st["lo"], st["p99"] = rate, res.p99_s
+            else:
+                st["hi"] = rate
+            if st["hi"] is None:
+                st["next"] = rate * factor
+                st["done"] = st["next"] > max_rps
+            else:
+                st["refined"] += (
+                    1 if st["refining"] else 0
+                )  # the first failure ends growth; bisections follow
+                st["refining"] = True
+                if st["lo"] is None or st["refined"] >= refine_steps:
+                    st["done"] = True
+                else:
+                    st["next"] = (st["lo"] + st["hi"]) / 2
+            await asyncio.sleep(pause_s)  # let the server's queue empty between steps
+    return {
+        name: SweepResult(
+            targets[name], slo_p99_s, state[name]["lo"], state[name]["p99"], state[name]["steps"]
+        )
+        for name in names
+    }
+
+
+def validation_payloads(
+    max_tokens: int = 1024,
+    n: int | None = None,
+    endpoint: str = "score",
+    max_new_tokens: int = 32,
+    prompt_tokens: int = 64,
+) -> list[dict]:
+    """Request bodies from the gpt-stdlib validation split (realistic, skewed lengths)."""
+    from ..workloads.corpus import load_stdlib_corpus
+
+    val = load_stdlib_corpus().validation
+    count = len(val) if n is None else min(n, len(val))
+    out = []
+    for i in range(count):
+        doc = np.asarray(val[i], dtype=np.int64)
+        if endpoint == "generate":
+            out.append(
+                {
+                    "tokens": doc[:prompt_tokens].tolist(),
+                    "max_new_tokens": max_new_tokens,
+                    "stop_at_eos": False,
+                }
+            )
+        else:
+            out.append({"tokens": doc[:max_tokens].tolist()})
+    return [p for p in out if len(p["tokens"]) >= 2]
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=2, default=str) + "\n"

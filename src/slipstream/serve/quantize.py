@@ -1,0 +1,142 @@
+"""Serving-time quantization via torchao, and the validation-loss delta it costs, measured.
+
+Modes: "none" (fp32), "bf16" (weights cast to bfloat16), "int8-weight-only" (torchao
+Int8WeightOnlyConfig) and "int8-dynamic" (Int8DynamicActivationInt8WeightConfig: int8 activations
+quantised per token at run time). The linear layers of the transformer blocks are quantised; the
+tied embedding / LM head stays in full precision (quantising lm_head would untie it from wte).
+Quantisation changes the model in place (torchao's `quantize_`) — pass a copy to keep the original.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..recipe import RecipeError
+
+QuantMode = Literal["none", "bf16", "int8-weight-only", "int8-dynamic"]
+QUANT_MODES: tuple[str, ...] = ("none", "bf16", "int8-weight-only", "int8-dynamic")
+
+
+def _block_linear(module: nn.Module, fqn: str) -> bool:
+    return isinstance(module, nn.Linear) and fqn.startswith("blocks.")
+
+
+def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+    """Quantise `model` in place for inference; returns it."""
+    if mode not in QUANT_MODES:
+        raise RecipeError(f"--quantize {mode!r}: choose one of {', '.join(QUANT_MODES)}")
+    if mode == "none":
+        return model
+    if mode == "bf16":
+        return model.to(torch.bfloat16)
+    try:
+        from torchao.quantization import (
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+            quantize_,
+        )
+    except ImportError as err:
+        raise RecipeError(
+            f"--quantize {mode} needs torchao: pip install 'slipstream[quant]' ({err})"
+        ) from err
+    config = Int8WeightOnlyConfig() if mode == "int8-weight-only" else Int8DynamicActivationInt8WeightConfig()
+    quantize_(model, config, filter_fn=_block_linear)
+    return model
+
+
+@torch.inference_mode()
+def validation_loss(model: nn.Module, docs: list[np.ndarray], max_len: int, batch_size: int = 8) -> float:
+    """Mean next-token loss (nats) over the documents' tokens (each truncated to max_len)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    docs = sorted((d[:max_len] for d in docs if len(d) >= 2), key=len)
+    for i in range(0, len(docs), batch_size):
+        chunk = docs[i : i + batch_size]
+        L = max(len(d) for d in chunk)
+        x = torch.full((len(chunk), L), 258, dtype=torch.long)
+        y = torch.full((len(chunk), L), -100, dtype=torch.long)
+        for j, d in enumerate(chunk):
+            t = torch.as_tensor(d, dtype=torch.long)
+            x[j, : len(d)] = t
+            y[j, : len(d) - 1] = t[1:]
+        loss = model(x.to(device), labels=y.to(device), reduction="sum")
+        total += float(loss)
+        count += int((y != -100).sum())
+    return total / max(count, 1)
+
+
+@torch.inference_mode()
+def forward_latency_s(model: nn.Module, batch: int, length: int, reps: int = 5) -> float:
+    """Median seconds of one scoring forward of shape (batch, length), after one warm-up pass."""
+    device = next(model.parameters()).device
+    x = torch.randint(0, 256, (batch, length), device=device)
+    model(x, labels=x, reduction="none")
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model(x, labels=x, reduction="none")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def quantize_eval(
+    workload: str,
+    size: str | None,
+    checkpoint: str | None,
+    modes: list[str],
+    *,
+    n_docs: int = 200,
+    max_len: int | None = None,
+    shapes: tuple[tuple[int, int], ...] = ((1, 512), (8, 512)),
+    reps: int = 5,
+) -> dict:
+    """Validation loss and forward latency of each mode vs fp32, interleaved per repetition."""
+    import copy
+
+    from ..workloads.corpus import load_stdlib_corpus
+    from .model import load_model
+
+    base = load_model(workload, size, checkpoint)
+    L = min(max_len or base.max_len, base.max_len)
+    val = load_stdlib_corpus().validation
+    docs = [np.asarray(val[i]) for i in range(min(n_docs, len(val)))]
+    models = {"none": base.model}
+    for mode in modes:
+        if mode != "none":
+            models[mode] = quantize_model(copy.deepcopy(base.model), mode)
+    losses = {m: validation_loss(model, docs, L) for m, model in models.items()}
+    lat: dict[str, dict[str, list[float]]] = {m: {f"{b}x{n}": [] for b, n in shapes} for m in models}
+    for _ in range(reps):  # interleaved: mode A, mode B, ..., repeated
+        for m, model in models.items():
+            for b, n in shapes:
+                lat[m][f"{b}x{n}"].append(forward_latency_s(model, b, min(n, L), reps=1))
+    rows = []
+    for m in models:
+        row = {
+            "mode": m,
+            "validation_loss_nats": losses[m],
+            "loss_delta_vs_fp32_nats": losses[m] - losses["none"],
+        }
+        for key, ts in lat[m].items():
+            med = statistics.median(ts)
+            row[f"latency_{key}_median_s"] = med
+            row[f"speedup_{key}_vs_fp32"] = statistics.median(lat["none"][key]) / med
+        rows.append(row)
+    return {
+        "workload": workload,
+        "size": base.size,
+        "checkpoint": base.source,
+        "validation_docs": len(docs),
+        "max_len": L,
+        "reps": reps,
+        "torch": torch.__version__,
+        "results": rows,
+    }

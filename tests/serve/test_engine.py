@@ -1,0 +1,169 @@
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from slipstream.serve.engine import EngineConfig, ScoreEngine, ServeError, score_reference
+
+
+def _engine(tiny, **kw):
+    cfg = EngineConfig(**{"max_batch_size": 4, "n_lengths": 2, "warmup_reps": 2, "latency_budget_s": 30.0, **kw})
+    return ScoreEngine(tiny, cfg, expected_lengths=np.arange(2, 65))
+
+
+def test_batched_padded_scores_equal_one_unpadded_forward_each(tiny):
+    eng = _engine(tiny)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 258, rng.integers(2, 65)).tolist() for _ in range(13)]
+
+    async def run():
+        await eng.start()
+        try:
+            return await asyncio.gather(*[eng.score(s, token_logprobs=True) for s in seqs])
+        finally:
+            await eng.drain(5)
+
+    results = asyncio.run(run())
+    assert eng.stats.batches < len(seqs)  # some requests shared a forward pass
+    assert eng.stats.padded_tokens > 0
+    for s, r in zip(seqs, results):
+        ref = score_reference(tiny, s)
+        assert r["scored_tokens"] == len(s) - 1
+        np.testing.assert_allclose(r["token_logprobs"], ref["token_logprobs"], atol=2e-5)
+        assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+    # Every forward ran a planned shape, each warmed before ready.
+    planned = {f"{b}x{L}" for b, L in eng.plan.shapes}
+    assert set(eng.stats.shapes_run) <= planned
+    assert set(eng.plan.latency_s) == set(eng.plan.shapes)
+
+
+def test_bad_inputs_are_refused_with_statuses(tiny):
+    eng = _engine(tiny)
+
+    async def run():
+        await eng.start(warmup=False)
+        out = {}
+        for name, toks, kw in [
+            ("short", [1], {}),
+            ("long", [1] * 65, {}),
+            ("vocab", [1, 264], {}),
+            ("negative", [-1, 2], {}),
+            ("timeout", [1, 2], {"timeout_s": float("nan")}),
+        ]:
+            with pytest.raises(ServeError) as err:
+                await eng.score(toks, **kw)
+            out[name] = err.value.status
+        await eng.drain(1)
+        return out
+
+    assert asyncio.run(run()) == {"short": 422, "long": 413, "vocab": 422, "negative": 422, "timeout": 422}
+
+
+def test_expired_requests_get_504_without_compute(tiny):
+    eng = _engine(tiny, latency_budget_s=0.01)  # no batch window: the first request runs alone
+
+    async def run():
+        await eng.start(warmup=False)
+        slow = eng._forward
+
+        def stall(*a):  # the first batch holds the compute thread
+            time.sleep(0.3)
+            return slow(*a)
+
+        eng._forward = stall
+        first = asyncio.create_task(eng.score([1, 2, 3]))
+        await asyncio.sleep(0.05)
+        late = [asyncio.create_task(eng.score([1, 2, 3, 4], timeout_s=0.1)) for _ in range(3)]
+        res = await asyncio.gather(first, *late, return_exceptions=True)
+        await eng.drain(2)
+        return res
+
+    res = asyncio.run(run())
+    assert isinstance(res[0], dict)
+    assert [r.status for r in res[1:]] == [504, 504, 504]
+    assert eng.stats.expired == 3 and eng.stats.requests == 1  # the expired ones never ran
+
+
+def test_full_queue_and_predicted_wait_shed_with_503_and_retry_after(tiny):
+    eng = _engine(tiny, max_queue=3, latency_budget_s=10.0)
+
+    async def run():
+        await eng.start(warmup=False)
+        gate = asyncio.Event()
+        slow = eng._forward
+
+        def stall(*a):
+            time.sleep(0.3)
+            return slow(*a)
+
+        eng._forward = stall
+        tasks = [asyncio.create_task(eng.score([1, 2, 3])) for _ in range(12)]
+        res = await asyncio.gather(*tasks, return_exceptions=True)
+        gate.set()
+        await eng.drain(5)
+        return res
+
+    res = asyncio.run(run())
+    refused = [r for r in res if isinstance(r, ServeError)]
+    served = [r for r in res if isinstance(r, dict)]
+    assert refused and served and len(refused) + len(served) == 12
+    assert all(r.status == 503 and r.retry_after_s >= 1 for r in refused)
+
+    # Shedding by predicted wait: with a tiny budget and a measured cost, a deep queue is refused.
+    eng2 = _engine(tiny, latency_budget_s=1e-4)
+
+    async def run2():
+        await eng2.start(warmup=False)
+        eng2.plan.latency_s = {s: 0.05 for s in eng2.plan.shapes}
+        eng2._queued_tokens = 10_000
+        with pytest.raises(ServeError) as err:
+            await eng2.score([1, 2, 3])
+        eng2._queued_tokens = 0
+        await eng2.drain(1)
+        return err.value
+
+    err = asyncio.run(run2())
+    assert err.status == 503 and "predicted" in err.message
+
+
+def test_a_failing_batch_fails_only_its_requests(tiny):
+    eng = _engine(tiny)
+    calls = {"n": 0}
+
+    async def run():
+        await eng.start(warmup=False)
+        real = eng._forward
+
+        def flaky(rows, b, L):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected fault")
+            return real(rows, b, L)
+
+        eng._forward = flaky
+        bad = await asyncio.gather(eng.score([1, 2, 3]), return_exceptions=True)
+        good = await eng.score([1, 2, 3])
+        await eng.drain(2)
+        return bad[0], good
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, ServeError) and bad.status == 500 and "injected" in bad.message
+    assert good["scored_tokens"] == 2 and eng.stats.failed_batches == 1
+
+
+def test_drain_finishes_queued_work_then_refuses(tiny):
+    eng = _engine(tiny)
+
+    async def run():
+        await eng.start(warmup=False)
+        tasks = [asyncio.create_task(eng.score([5] * n)) for n in range(2, 30)]
+        await asyncio.sleep(0)
+        done = await eng.drain(10)
+        res = await asyncio.gather(*tasks, return_exceptions=True)
+        with pytest.raises(ServeError) as err:
+            await eng.score([1, 2])
+        return done, res, err.value.status
+
+    done, res, status = asyncio.run(run())
+    assert done and all(isinstance(r, dict) for r in res) and status == 503
