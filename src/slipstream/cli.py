@@ -14,6 +14,12 @@ EXAMPLES = {
   slipstream train --recipe baseline --set precision.dtype=bf16 --set shapes.max_len=512 --steps 200
   slipstream train --steps 400 --checkpoint-dir runs/a --checkpoint-every 50     # then add --resume
 """,
+    "bench": """examples:
+  slipstream bench --workload gpt-stdlib --size small --recipes baseline,bf16,bucket,pack,full \\
+      --peers diy,accelerate,lightning --json out.json --report out.html
+  slipstream bench --recipes demo --rounds 3              # the make demo list
+  slipstream bench --recipes baseline,baseline+precision.dtype=bf16 --size tiny --rounds 5
+""",
     "doctor": """examples:
   slipstream doctor
   slipstream doctor --json doctor.json --no-compile
@@ -95,6 +101,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .bench import run_bench
+    from .bench.report import print_table, write_html
+    from .presets import demo_recipes
+
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if recipes == ["demo"]:
+        recipes = demo_recipes()
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
+    console = Console(stderr=True)
+    with console.status("benchmarking") as status:
+        result = run_bench(
+            args.workload,
+            recipes,
+            size=args.size,
+            rounds=args.rounds,
+            round_tokens=args.round_tokens,
+            warmup_steps=args.warmup_steps,
+            val_batches=args.val_batches,
+            peers=peers,
+            memory="skip" if args.no_memory else "auto",
+            parity_tolerance=args.parity_tolerance,
+            progress=lambda msg: status.update(f"benchmarking: {msg}"),
+        )
+    payload = result.to_dict()
+    _write_json(args.json, payload)
+    print_table(payload)
+    if args.report:
+        path = write_html(payload, Path(args.report))
+        print(f"report: {path} (and {path.with_suffix('.md')})")
     if args.json:
         print(f"wrote {args.json}")
     return 0
@@ -212,6 +255,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write results (per-step loss, metrics) to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_train)
+
+    p = add("bench", "benchmark recipes and peers side by side (interleaved rounds) with a report")
+    p.add_argument("--workload", default="gpt-stdlib")
+    p.add_argument("--size", default="tiny", help="model size (default: tiny; small for the demo)")
+    p.add_argument(
+        "--recipes", default="baseline", help="comma-separated specs, or `demo`; the first is the reference"
+    )
+    p.add_argument("--peers", default="", help="comma-separated: diy, accelerate, lightning")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    p.add_argument(
+        "--round-tokens", type=int, help="real tokens per contender per round (default: 2 batches' budget)"
+    )
+    p.add_argument(
+        "--warmup-steps", type=int, default=2, help="untimed steps per contender first (default: 2)"
+    )
+    p.add_argument("--val-batches", type=int, default=4, help="validation batches for the loss/parity check")
+    p.add_argument(
+        "--parity-tolerance", type=float, default=0.05, help="max relative val-loss gap (default: 0.05)"
+    )
+    p.add_argument("--no-memory", action="store_true", help="skip the per-recipe peak-memory runs on CPU")
+    p.add_argument("--json", help="write the result (schema: docs/bench.md)")
+    p.add_argument("--report", help="write an HTML report here (and a .md beside it)")
+    p.set_defaults(fn=cmd_bench)
 
     p = add("doctor", "report torch, device, bf16/fp16 support, whether compile and Triton work")
     p.add_argument("--json", help="write the report to this file")

@@ -50,6 +50,25 @@ def _triton() -> str:
     return f"triton {triton.__version__} ({where})"
 
 
+def machine_info() -> dict[str, Any]:
+    """What a benchmark result must carry to be comparable: device, versions, date."""
+    import datetime
+    import os
+
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name(0)
+        if cuda
+        else f"cpu ({platform.processor() or platform.machine()})",
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
 def diagnose(check_compile: bool = True) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     report: dict[str, Any] = {

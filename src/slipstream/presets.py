@@ -55,6 +55,14 @@ def pack() -> Recipe:
     return Recipe(name="pack", shapes=ShapesConfig(mode="pack", pack_algorithm="bfd"))
 
 
+DEMO_ORDER = ("baseline", "bf16", "pad-batch", "bucket", "pack", "full")
+"""Recipes `slipstream bench --recipes demo` compares, in this order, where registered."""
+
+
+def demo_recipes() -> list[str]:
+    return [name for name in DEMO_ORDER if name in PRESETS]
+
+
 def get_preset(name: str) -> Recipe:
     if name not in PRESETS:
         raise RecipeError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
