@@ -5,7 +5,22 @@ import pytest
 from slipstream.cli import build_parser, main
 
 
-@pytest.mark.parametrize("command", ["train", "doctor", "data", "recipe"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        "train",
+        "bench",
+        "doctor",
+        "data",
+        "recipe",
+        "profile",
+        "tune",
+        "lr-find",
+        "serve",
+        "loadtest",
+        "quantize-eval",
+    ],
+)
 def test_every_command_has_help_with_examples(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([command, "--help"])

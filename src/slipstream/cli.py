@@ -302,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="with --fields: print a Markdown table (docs/recipe.md)"
     )
     p.set_defaults(fn=cmd_recipe)
+
+    # Components with commands of their own register them (their heavy imports stay lazy).
+    from .profile.cli import add_parser as add_profile
+    from .serve.cli import add_parser as add_serve
+    from .tune.cli import add_parser as add_tune
+
+    add_profile(sub)
+    add_tune(sub)
+    add_serve(sub)
     return parser
 
 
