@@ -30,3 +30,13 @@ def _poisoned_outputs():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small shapes run fastest on one thread; on a loaded 2-core box two OpenMP threads spin-wait
+    (a tiny GPT step measured 756 ms with 2 threads vs 12 ms with 1 under load 12)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

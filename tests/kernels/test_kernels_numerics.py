@@ -17,6 +17,9 @@ from slipstream.kernels import activations, norms, reference
 from slipstream.kernels.cross_entropy import cross_entropy
 from slipstream.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
+# the interpreter evaluates sigmoid(-large) with numpy, which warns while correctly saturating to 0
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
 # the package exports a function of the same name, so fetch the module itself
 ce_mod = importlib.import_module("slipstream.kernels.cross_entropy")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -141,12 +144,12 @@ def test_fused_linear_cross_entropy_odd_shape_torch_path(dtype):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_weight_gradient_accumulates_in_fp32_across_chunks(backend, device):
-    """One-row chunks, 256 of them, all adding same-signed terms to the weight gradient.
+    """One-row chunks, 128 of them, all adding same-signed terms to the weight gradient.
 
     Summing the chunk partials in bf16 loses the low bits once the total outgrows each partial
     (Liger #512) and fails this check; an fp32 accumulator stays within the reference's error.
     """
-    n, hidden, vocab = 256, 16, 24
+    n, hidden, vocab = 128, 16, 24
     t = torch.zeros(n, dtype=torch.long, device=device)  # class 0 only: other rows' grads all positive
     x = torch.rand(n, hidden) + 0.5
     w = torch.randn(vocab, hidden) * 0.05
@@ -250,9 +253,10 @@ def test_norms_triton(case, dtype, shape, device):
 
 @pytest.mark.parametrize("case", ["rms", "add-layer"])
 def test_norms_triton_odd_shape(case, device):
-    """The issue's (3, 423, 213): more rows than persistent backward programs, a ragged last tile."""
+    """Hidden 213 as in the issue's (3, 423, 213): a ragged last tile; 154 rows: five backward programs,
+    the last one short (the full 1269 rows cost ~10 s in the interpreter and test nothing more)."""
     ours, ref, has_w, has_b, has_res = NORM_CASES[case]
-    shape = (3, 423, 213)
+    shape = (2, 77, 213)
     inputs = [torch.randn(shape)] + ([torch.randn(shape)] if has_res else [])
     inputs += [torch.randn(shape[-1]) + 1] + ([torch.randn(shape[-1])] if has_b else [])
     check(
@@ -278,7 +282,7 @@ ACT_CASES = {
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(ACT_CASES))
-@pytest.mark.parametrize("shape", [(3, 37, 53), (3, 423, 213)])
+@pytest.mark.parametrize("shape", [(3, 37, 53), (3, 43, 213)])
 def test_activations_triton(case, dtype, shape, device):
     ours, ref, arity = ACT_CASES[case]
     check(
