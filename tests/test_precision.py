@@ -163,7 +163,9 @@ def test_fp16_unscales_before_clipping(monkeypatch):
 
 
 def test_loss_scaler_state_round_trips():
-    scaler = LossScaler(CPU, PrecisionConfig(dtype="fp16", loss_scale_init=1024.0, loss_scale_growth_interval=5))
+    scaler = LossScaler(
+        CPU, PrecisionConfig(dtype="fp16", loss_scale_init=1024.0, loss_scale_growth_interval=5)
+    )
     scaler.skipped_steps = 3
     other = LossScaler(CPU, PrecisionConfig(dtype="fp16"))
     other.load_state_dict(scaler.state_dict())

@@ -31,12 +31,14 @@ def _blocks(model: nn.Module, field: str) -> nn.ModuleList:
     return blocks
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig) -> nn.Module:
+def apply_compile(model: nn.Module, cfg: CompileConfig, *, backend: str | None = None) -> nn.Module:
     """torch.compile the whole model, or each block on its own (regional: compiles once per block
-    type, so compile time does not grow with depth). In place: state_dict keys stay the same."""
+    type, so compile time does not grow with depth). In place: state_dict keys stay the same.
+
+    `backend` overrides inductor (tests use "aot_eager" to check the plumbing without codegen)."""
     if cfg.mode == "off":
         return model
-    options = {"mode": cfg.mode}
+    options: dict[str, str] = {"backend": backend} if backend is not None else {"mode": cfg.mode}
     if cfg.scope == "blocks":
         for block in _blocks(model, "compile.scope=blocks"):
             block.compile(**options)

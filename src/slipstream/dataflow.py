@@ -73,12 +73,66 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
+def _mover(device: torch.device, pin: bool, stream: Any) -> Callable[[Any], tuple[Any, Any]]:
+    def move(batch: Any) -> tuple[Any, Any]:
+        if device.type != "cuda":
+            return batch, None
+        if pin:
+            batch = _map_tensors(batch, lambda t: t if t.is_pinned() else t.pin_memory())
+        with torch.cuda.stream(stream):
+            # Asynchronous host-to-device copies on the side stream; the event marks their end.
+            batch = _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(stream)
+        return batch, event
+
+    return move
+
+
+def _put(q: queue.Queue, stop: threading.Event, item: Any) -> bool:
+    """Put with backpressure; gives up (False) when the consumer has closed the prefetcher."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(
+    source: Iterable,
+    state_of: Callable[[], Any] | None,
+    move: Callable[[Any], tuple[Any, Any]],
+    q: queue.Queue,
+    stop: threading.Event,
+) -> None:
+    """The producer thread: iterate the source, move each batch, queue it with the source's state."""
+    iterator = iter(source)
+    try:
+        for batch in iterator:
+            if stop.is_set():
+                return
+            state = state_of() if state_of is not None else None
+            moved, event = move(batch)
+            if not _put(q, stop, (moved, event, state)):
+                return
+        _put(q, stop, _END)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
+        _add_note(exc, "(raised in the slipstream prefetch thread while preparing a batch)")
+        _put(q, stop, _Failure(exc))
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()  # generators run their own cleanup (worker pools) on this thread
+
+
 class Prefetcher:
     """Iterate `source` on a background thread, up to `depth` batches ahead of the consumer.
 
     `on_batch(batch, wait_s)` is called on the consumer thread with the time the consumer actually
-    waited for the batch, which is what `data_wait_s` must measure. If `source` has `state_dict()`,
-    the state right after each batch was produced travels with it, and `state_dict()` here returns
+    waited for the batch, which is what `data_wait_s` must measure. With `state_of` (default: the
+    source's `state_dict`), the state right after each batch was produced travels with it, and `state_dict()` here returns
     the state of the last batch *consumed* (the producer runs ahead; resuming must not skip batches).
     """
 
@@ -90,6 +144,7 @@ class Prefetcher:
         device: torch.device | str = "cpu",
         pin_memory: bool = True,
         on_batch: Callable[[Any, float], None] | None = None,
+        state_of: Callable[[], Any] | None = None,
         name: str = "slipstream-prefetch",
     ):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
@@ -99,63 +154,25 @@ class Prefetcher:
             raise RecipeError("prefetching to a CUDA device needs CUDA; use runtime.device=cpu")
         self.depth = depth
         self._source = source
-        self._stateful = hasattr(source, "state_dict")
+        if state_of is None and hasattr(source, "state_dict"):
+            state_of = source.state_dict
+        self._stateful = state_of is not None
         self._pin = pin_memory and self.device.type == "cuda"
         self._on_batch = on_batch
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._state: Any = source.state_dict() if self._stateful else None  # type: ignore[attr-defined]
+        self._state: Any = state_of() if state_of is not None else None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._done = False
         self.batches = 0
         self.wait_s = 0.0
-        self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
+        # The thread gets what it needs, not `self`: a dropped Prefetcher must be collectable.
+        move = _mover(self.device, self._pin, self._stream)
+        args = (source, state_of, move, self._queue, self._stop)
+        self._thread = threading.Thread(target=_produce, args=args, name=name, daemon=True)
         self._thread.start()
         # A prefetcher dropped without close() still stops its thread when collected.
         self._finalizer = weakref.finalize(self, Prefetcher._shutdown, self._stop, self._queue, self._thread)
-
-    # -- producer thread ------------------------------------------------------------------------
-
-    def _to_device(self, batch: Any) -> tuple[Any, Any]:
-        if self.device.type != "cuda":
-            return batch, None
-        if self._pin:
-            batch = _map_tensors(batch, lambda t: t if t.is_pinned() else t.pin_memory())
-        with torch.cuda.stream(self._stream):
-            # Asynchronous host-to-device copies on the side stream; the event marks their end.
-            batch = _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return batch, event
-
-    def _put(self, item: Any) -> bool:
-        """Put with backpressure; gives up (False) when the consumer has closed us."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self) -> None:
-        iterator = iter(self._source)
-        try:
-            for batch in iterator:
-                if self._stop.is_set():
-                    return
-                state = self._source.state_dict() if self._stateful else None  # type: ignore[attr-defined]
-                moved, event = self._to_device(batch)
-                if not self._put((moved, event, state)):
-                    return
-            self._put(_END)
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
-            _add_note(exc, "(raised in the slipstream prefetch thread while preparing a batch)")
-            self._put(_Failure(exc))
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()  # generators run their own cleanup (worker pools) on this thread
 
     # -- consumer side --------------------------------------------------------------------------
 
@@ -273,9 +290,15 @@ class PrefetchLoader:
         return getattr(self.loader, name)
 
     def _run(self, source: Iterable) -> Iterator[Any]:
-        self.close()
+        if self._active is not None:
+            self._active.close()
         p = Prefetcher(
-            source, self.depth, device=self.device, pin_memory=self.pin_memory, on_batch=self.on_batch
+            source,
+            self.depth,
+            device=self.device,
+            pin_memory=self.pin_memory,
+            on_batch=self.on_batch,
+            state_of=getattr(self.loader, "state_dict", None),
         )
         self._active = p
         try:
@@ -304,8 +327,18 @@ class PrefetchLoader:
         self.loader.load_state_dict(state)
 
     def close(self) -> None:
+        """Stop the prefetch thread and join the wrapped loader's workers."""
         if self._active is not None:
             self._active.close()
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> PrefetchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # ----------------------------------------------------------------------------- worker pools
