@@ -50,8 +50,9 @@ class ShapePolicy(ABC):
 
     def __init__(self, cfg: ShapesConfig, lengths: np.ndarray, world_size: int = 1):
         self.cfg = cfg
+        # Ranks sharing one epoch plan (the loader gives rank r every world_size-th batch), so a
+        # policy can group batches to give all ranks the same shape at each step (see bucket).
         self.world_size = world_size
-        """Ranks sharing the epoch plan; a policy may group batches so all ranks share each step's shape."""
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if len(self.lengths) == 0:
             raise RecipeError("the dataset is empty: give at least one non-empty sequence")
