@@ -77,7 +77,7 @@ def write_result(payload: dict, device_label: str) -> Path:
 
 def summary(values: list[float]) -> dict:
     s = sorted(values)
-    q = statistics.quantiles(s, n=5) if len(s) >= 2 else [s[0]] * 4
+    q = statistics.quantiles(s, n=5, method="inclusive") if len(s) >= 2 else [s[0]] * 4
     return {"median": statistics.median(s), "p20": q[0], "p80": q[3], "n": len(s)}
 
 
@@ -318,7 +318,8 @@ def main(argv=None) -> None:
     result = run_memory(args) if args.cmd == "memory" else run_speed(args)
     info = machine()
     payload = {"benchmark": f"kernels.{args.cmd}", "machine": info, "result": result}
-    print(json.dumps(result, indent=2))
+    if args.cmd == "memory":  # speed rows were printed as they came
+        print(json.dumps(result, indent=2))
     if not args.no_write:
         label = info["device"] if info["device"] != "cpu" else f"cpu-{info['host']}"
         print("wrote", write_result(payload, f"{args.cmd}-{label}"))

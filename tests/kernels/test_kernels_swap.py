@@ -160,6 +160,22 @@ def test_forcing_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
 
 
 def test_import_does_not_import_triton():
-    """Triton is optional and TRITON_INTERPRET is read when kernels are built: import must not build them."""
+    """TRITON_INTERPRET is read when kernels are built, so importing must not build (or import) them."""
     code = "import sys, slipstream.kernels; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_works_without_triton_installed():
+    """Triton is an optional extra: the CPU path runs without it and forcing it says how to install it."""
+    code = "\n".join(
+        [
+            "import sys; sys.modules['triton'] = None",  # as if `slipstream[kernels]` were not installed
+            "import torch, slipstream.kernels as K",
+            "x = torch.randn(8, 4, requires_grad=True); w = torch.randn(10, 4); t = torch.randint(0, 10, (8,))",
+            "K.fused_linear_cross_entropy(x, w, t).backward(); assert x.grad is not None",
+            "try: K.rms_norm(x, None, backend='triton')",
+            "except RuntimeError as e: assert 'pip install' in str(e), e",
+            "else: raise SystemExit('forcing triton without triton did not fail')",
+        ]
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -200,7 +200,15 @@ def fused_linear_cross_entropy(
         return _apply(x, weight, bias, target, ignore_index, reduction, backend, chunk_rows)
 
 
+# Kept out of torch.compile graphs: the chunk loop is eager by design (data-dependent row selection
+# on CPU, one kernel launch per chunk on GPU), and tracing into it only adds graph breaks and recompiles.
+# At the very end of the model, the one graph break this costs is cheap. The wrapper is built on first
+# use because torch.compiler.disable imports torch._dynamo (seconds, and triton) at `import slipstream`.
+_UNCOMPILED: dict[str, object] = {}
+
+
 def _apply(x, weight, bias, target, ignore_index, reduction, backend, chunk_rows):
-    return FusedLinearCrossEntropy.apply(
-        x, weight, bias, target, ignore_index, reduction, backend, chunk_rows
-    )
+    fn = _UNCOMPILED.get("apply")
+    if fn is None:
+        fn = _UNCOMPILED["apply"] = torch.compiler.disable(FusedLinearCrossEntropy.apply)
+    return fn(x, weight, bias, target, ignore_index, reduction, backend, chunk_rows)
