@@ -1,0 +1,351 @@
+"""Serving benchmark: highest Poisson request rate with p99 <= SLO, side by side, one run.
+
+Systems (same model, same weights, same torch threads, same machine, same payloads: documents of
+the gpt-stdlib validation split, truncated to the model's max_len):
+  (a) plain     — a plain FastAPI endpoint, one request per forward pass (a `def` handler, so
+                  FastAPI's thread pool runs concurrent requests' forwards side by side);
+  (b) litserve  — LitServe with batching on (max_batch_size, batch_timeout), padding each batch
+                  to its longest sequence (LitServe has no shape planning);
+  (c) slipstream — `slipstream serve`: adaptive batching into planned (batch, length) shapes.
+
+The rate sweeps interleave the systems round by round (A B C, C B A, ...). Afterwards, overload:
+slipstream at 5x its sustainable rate for --overload-s seconds (admitted p99, share of 503s, RSS
+at start and end).
+
+  python benchmarks/serve.py compare --size small --slo-ms 1000 --json benchmarks/results/serve-cpu-2core-2026-12-02.json
+  python benchmarks/serve.py plain --port 8101          # one system alone, for poking at it
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _score_rows(model, rows: list[list[int]]) -> list[dict]:
+    """One padded forward over rows; the same per-token log-prob computation slipstream does."""
+    import torch
+
+    L = max(len(r) for r in rows)
+    x = torch.full((len(rows), L), 258, dtype=torch.long)
+    y = torch.full((len(rows), L), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        t = torch.as_tensor(r, dtype=torch.long)
+        x[i, : len(r)] = t
+        y[i, : len(r) - 1] = t[1:]
+    with torch.inference_mode():
+        nll = model(x, labels=y, reduction="none").float()
+    out = []
+    for i, r in enumerate(rows):
+        s = -float(nll[i, : len(r) - 1].sum())
+        out.append({"scored_tokens": len(r) - 1, "logprob_sum": s, "loss": -s / (len(r) - 1)})
+    return out
+
+
+def _model(args):
+    import torch
+
+    from slipstream.serve.model import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return load_model(size=args.size, checkpoint=args.checkpoint, max_len=args.max_len).model
+
+
+def run_plain(args) -> None:
+    import uvicorn
+    from fastapi import FastAPI
+
+    model = _model(args)
+    app = FastAPI()
+
+    @app.post("/v1/score")
+    def score(body: Body) -> dict:  # one request per forward pass
+        return _score_rows(model, [body.tokens])[0]
+
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+def run_litserve(args) -> None:
+    import litserve as ls
+
+    api = ScoreAPI(
+        args, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout, api_path="/v1/score"
+    )
+    ls.LitServer(api, accelerator="cpu", workers_per_device=1).run(
+        host="127.0.0.1", port=args.port, generate_client_file=False
+    )
+
+
+class Body(BaseModel):
+    tokens: list[int]
+
+
+if importlib.util.find_spec("litserve") is not None:  # an optional peer: pip install litserve
+    import litserve as ls
+
+    class ScoreAPI(ls.LitAPI):
+        """At module level so LitServe's spawned worker process can unpickle it."""
+
+        def __init__(self, args, **kw):
+            super().__init__(**kw)
+            self.args = args
+
+        def setup(self, device):
+            self.model = _model(self.args)
+
+        def decode_request(self, request):
+            return request["tokens"]
+
+        def batch(self, inputs):
+            return inputs  # rows of different lengths; predict pads them to the longest
+
+        def predict(self, rows):
+            return _score_rows(self.model, rows)
+
+        def unbatch(self, output):
+            return output
+
+        def encode_response(self, output):
+            return output
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            if httpx.post(url, json={"tokens": [256, 100, 101]}, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: not ready after {timeout_s} s")
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _tree_rss(pid: int) -> int:
+    """RSS of a process and its children (LitServe runs its model in a child process)."""
+    total = _rss_bytes(pid)
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            total += _tree_rss(int(child))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+def compare(args) -> int:
+    import torch
+
+    from slipstream.serve import loadgen
+
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    common = ["--size", args.size, "--threads", str(args.threads), "--max-len", str(args.max_len)]
+    if args.checkpoint:
+        common += ["--checkpoint", args.checkpoint]
+    py = sys.executable
+    ports = {"plain": 18601, "litserve": 18602, "slipstream": 18603}
+    argv = {
+        "plain": [py, __file__, "plain", "--port", str(ports["plain"]), *common],
+        "litserve": [
+            py,
+            __file__,
+            "litserve",
+            "--port",
+            str(ports["litserve"]),
+            "--max-batch-size",
+            str(args.max_batch_size),
+            "--batch-timeout",
+            str(args.batch_timeout),
+            *common,
+        ],
+        "slipstream": [
+            py,
+            "-m",
+            "slipstream.serve.cli",
+            "serve",
+            "--port",
+            str(ports["slipstream"]),
+            "--max-batch-size",
+            str(args.max_batch_size),
+            "--latency-budget-ms",
+            str(args.slo_ms / 2),
+            "--timeout-ms",
+            str(args.slo_ms * 2),
+            *common,
+        ],
+    }
+    systems = [s for s in args.systems.split(",") if s]
+    procs = {}
+    try:
+        for name in systems:
+            procs[name] = _spawn(argv[name], logs / f"{name}.log")
+        urls = {name: f"http://127.0.0.1:{ports[name]}/v1/score" for name in systems}
+        for name in systems:
+            _wait_ready(urls[name], procs[name])
+        payloads = loadgen.validation_payloads(max_tokens=args.max_len)
+        lengths = [len(p["tokens"]) for p in payloads]
+        print(
+            f"{len(payloads)} payloads, median {sorted(lengths)[len(lengths) // 2]} tokens; SLO p99 <= {args.slo_ms} ms",
+            flush=True,
+        )
+        sweeps = asyncio.run(
+            loadgen.sweep(
+                urls,
+                payloads,
+                slo_p99_s=args.slo_ms / 1000,
+                start_rps=args.start_rate,
+                factor=args.factor,
+                refine_steps=args.refine,
+                step_duration_s=args.step_s,
+                max_steps=args.max_steps,
+            )
+        )
+        result = {
+            "benchmark": "serve-score-max-rate-under-p99-slo",
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "processor": platform.processor(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "note": "2 shared cores; other engineers' jobs ran concurrently, so absolute numbers are noisy",
+            },
+            "model": {
+                "workload": "gpt-stdlib",
+                "size": args.size,
+                "max_len": args.max_len,
+                "checkpoint": args.checkpoint,
+                "threads": args.threads,
+            },
+            "payloads": {
+                "count": len(payloads),
+                "median_tokens": sorted(lengths)[len(lengths) // 2],
+                "max_tokens": max(lengths),
+            },
+            "slo_p99_s": args.slo_ms / 1000,
+            "systems": {},
+        }
+        for name, sw in sweeps.items():
+            result["systems"][name] = {
+                "max_rate_rps": sw.max_rate_rps,
+                "p99_at_max_s": sw.p99_at_max_s,
+                "steps": sw.steps,
+            }
+            print(f"{name:>11}: max rate {sw.max_rate_rps} req/s, p99 {sw.p99_at_max_s}", flush=True)
+        base = result["systems"].get("plain", {}).get("max_rate_rps")
+        for name in systems:
+            r = result["systems"][name]["max_rate_rps"]
+            if base and r:
+                result["systems"][name]["rate_vs_plain"] = r / base
+        lit = result["systems"].get("litserve", {}).get("max_rate_rps")
+        if lit and result["systems"].get("slipstream", {}).get("max_rate_rps"):
+            result["systems"]["slipstream"]["rate_vs_litserve"] = (
+                result["systems"]["slipstream"]["max_rate_rps"] / lit
+            )
+        sustain = result["systems"].get("slipstream", {}).get("max_rate_rps")
+        if args.overload_s > 0 and sustain:
+            pid = procs["slipstream"].pid
+            rss0 = _tree_rss(pid)
+            res = asyncio.run(
+                loadgen.open_loop(
+                    urls["slipstream"], payloads, 5 * sustain, args.overload_s, seed=7, timeout_s=60
+                )
+            )
+            rss1 = _tree_rss(pid)
+            result["overload"] = {
+                "rate_rps": 5 * sustain,
+                "duration_s": args.overload_s,
+                "rss_start_bytes": rss0,
+                "rss_end_bytes": rss1,
+                "server_alive": procs["slipstream"].poll() is None,
+                "admitted_p99_s": res.p99_s,
+                "admitted_p99_over_slo": (res.p99_s / (args.slo_ms / 1000)) if res.p99_s else None,
+                "share_503": res.errors_by_status.get("503", 0) / max(res.sent, 1),
+                **res.to_json(),
+            }
+            o = result["overload"]
+            print(
+                f"overload {o['rate_rps']:.1f} req/s for {args.overload_s} s: ok {res.ok}/{res.sent}, admitted p99 {res.p99_s}, "
+                f"errors {res.errors_by_status}, RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB, alive {o['server_alive']}",
+                flush=True,
+            )
+        if args.json:
+            from slipstream.recipe import atomic_write_text
+
+            atomic_write_text(Path(args.json), json.dumps(result, indent=2, default=str) + "\n")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=("compare", "plain", "litserve"))
+    p.add_argument("--size", default="small")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--port", type=int, default=8101)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--batch-timeout", type=float, default=0.01, help="LitServe's batch window, seconds")
+    p.add_argument("--systems", default="plain,litserve,slipstream")
+    p.add_argument("--slo-ms", type=float, default=1000.0)
+    p.add_argument("--start-rate", type=float, default=2.0)
+    p.add_argument("--factor", type=float, default=1.5)
+    p.add_argument("--refine", type=int, default=2)
+    p.add_argument("--step-s", type=float, default=10.0)
+    p.add_argument("--max-steps", type=int, default=14)
+    p.add_argument("--overload-s", type=float, default=60.0)
+    p.add_argument("--log-dir", default="/tmp/slipstream-serve-bench")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.mode == "plain":
+        run_plain(args)
+    elif args.mode == "litserve":
+        run_litserve(args)
+    else:
+        return compare(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

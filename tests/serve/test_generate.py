@@ -1,0 +1,125 @@
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from slipstream.serve.generate import Decoder, Generator, GeneratorConfig, generate_reference, sample
+
+
+def test_prefill_and_decode_logits_equal_the_full_forward(tiny):
+    model = tiny.model
+    dec = Decoder(model, slots=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 258, n).tolist() for n in (5, 17, 1)]
+    seqs = [list(p) for p in prompts]
+    with torch.inference_mode():
+        for slot, p in enumerate(prompts):
+            got = dec.prefill(slot, p)
+            ref = model(torch.tensor([p]))[0, -1]
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        for _ in range(6):  # all slots advance together, each at its own position
+            nxt = [int(rng.integers(0, 258)) for _ in seqs]
+            positions = torch.tensor([len(s) for s in seqs])
+            logits = dec.decode_one_token(torch.tensor(nxt), positions)
+            for i, s in enumerate(seqs):
+                s.append(nxt[i])
+                ref = model(torch.tensor([s]))[0, -1]
+                torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
+
+
+def _run(gen: Generator, requests: list[dict], delays: list[float] | None = None):
+    async def one(req, delay):
+        await asyncio.sleep(delay)
+        stream = await gen.submit(**req)
+        return [t async for t in stream], stream.finish_reason
+
+    async def main():
+        await gen.start(warmup=False)
+        try:
+            return await asyncio.gather(*[one(r, d) for r, d in zip(requests, delays or [0.0] * len(requests))])
+        finally:
+            await gen.drain(5)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_greedy_batched_generation_matches_recomputing_the_prefix(tiny, policy):
+    rng = np.random.default_rng(1)
+    reqs = [
+        {"prompt": rng.integers(0, 256, n).tolist(), "max_new_tokens": m, "stop_at_eos": False}
+        for n, m in [(3, 9), (20, 4), (7, 12), (1, 6), (11, 3)]
+    ]
+    gen = Generator(tiny, GeneratorConfig(slots=2, policy=policy))  # fewer slots than requests: some wait
+    out = _run(gen, reqs)
+    for req, (tokens, reason) in zip(reqs, out):
+        assert tokens == generate_reference(tiny.model, req["prompt"], req["max_new_tokens"])
+        assert reason == "length"
+    assert gen.stats.finished == len(reqs)
+
+
+def test_sampling_depends_only_on_the_request_not_its_batch(tiny):
+    base = {"prompt": [256, 100, 101, 102], "max_new_tokens": 10, "temperature": 1.0, "top_k": 20, "stop_at_eos": False}
+    alone = _run(Generator(tiny, GeneratorConfig(slots=4)), [{**base, "seed": 7}])[0][0]
+    others = [{**base, "seed": s, "prompt": [256, 50 + s]} for s in range(3)]
+    crowd = _run(Generator(tiny, GeneratorConfig(slots=4)), [*others, {**base, "seed": 7}])[-1][0]
+    other_seed = _run(Generator(tiny, GeneratorConfig(slots=4)), [{**base, "seed": 8}])[0][0]
+    assert alone == crowd
+    assert alone != other_seed
+
+
+def test_top_k_one_is_greedy_and_top_k_restricts_the_choice():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50)
+    seeds, steps = torch.arange(64), torch.zeros(64, dtype=torch.long)
+    temps = torch.ones(64)
+    assert torch.equal(sample(logits, temps, torch.ones(64, dtype=torch.long), seeds, steps), logits.argmax(-1))
+    top3 = logits.topk(3).indices
+    got = sample(logits, temps, torch.full((64,), 3), seeds, steps)
+    assert all(int(g) in top3[i].tolist() for i, g in enumerate(got))
+    assert len(set(got.tolist())) > 1  # it does sample
+    greedy = sample(logits, torch.zeros(64), torch.zeros(64, dtype=torch.long), seeds, steps)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_continuous_batching_lets_a_late_short_request_finish_first(tiny):
+    long = {"prompt": [256, 1, 2], "max_new_tokens": 40, "stop_at_eos": False}
+    short = {"prompt": [256, 3], "max_new_tokens": 2, "stop_at_eos": False}
+    order = []
+
+    async def main(policy):
+        gen = Generator(tiny, GeneratorConfig(slots=2, policy=policy))
+        await gen.start(warmup=False)
+
+        async def run(name, req, delay):
+            await asyncio.sleep(delay)
+            stream = await gen.submit(**req)
+            async for _ in stream:
+                pass
+            order.append((policy, name))
+
+        await asyncio.gather(run("long", long, 0), run("short", short, 0.05))
+        await gen.drain(5)
+
+    asyncio.run(main("continuous"))
+    asyncio.run(main("static"))
+    assert order == [("continuous", "short"), ("continuous", "long"), ("static", "long"), ("static", "short")]
+
+
+def test_generation_refuses_bad_requests(tiny):
+    from slipstream.serve.engine import ServeError
+
+    gen = Generator(tiny, GeneratorConfig(slots=1))
+
+    async def main():
+        await gen.start(warmup=False)
+        statuses = []
+        for req in [{"prompt": []}, {"prompt": [999]}, {"prompt": [1] * 60, "max_new_tokens": 10}]:
+            with pytest.raises(ServeError) as err:
+                await gen.submit(**req)
+            statuses.append(err.value.status)
+        await gen.drain(1)
+        return statuses
+
+    assert asyncio.run(main()) == [422, 422, 413]
