@@ -55,6 +55,15 @@ def pack() -> Recipe:
     return Recipe(name="pack", shapes=ShapesConfig(mode="pack", pack_algorithm="bfd"))
 
 
+@register_preset("prefetch")
+def prefetch() -> Recipe:
+    """The baseline with batches prepared ahead on a background thread (depth 2) and per-sample work
+    (vision-synthetic decode + augment) on one worker thread: the step stops waiting for data."""
+    from .recipe import DataflowConfig
+
+    return Recipe(name="prefetch", dataflow=DataflowConfig(prefetch=True, prefetch_depth=2, workers=1))
+
+
 DEMO_ORDER = ("baseline", "bf16", "pad-batch", "bucket", "pack", "full")
 """Recipes `slipstream bench --recipes demo` compares, in this order, where registered."""
 
