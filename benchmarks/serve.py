@@ -86,7 +86,7 @@ def run_litserve(args) -> None:
     api = ScoreAPI(
         args, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout, api_path="/v1/score"
     )
-    ls.LitServer(api, accelerator="cpu", workers_per_device=1).run(
+    ls.LitServer(api, accelerator="cpu", workers_per_device=args.workers).run(
         host="127.0.0.1", port=args.port, generate_client_file=False
     )
 
@@ -323,7 +323,10 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="small")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    p.add_argument(
+        "--workers", type=int, default=2, help="slipstream compute workers / LitServe workers_per_device"
+    )
     p.add_argument("--port", type=int, default=8101)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--batch-timeout", type=float, default=0.01, help="LitServe's batch window, seconds")

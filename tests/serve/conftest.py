@@ -33,10 +33,29 @@ def free_port() -> int:
 def start_server(*extra: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m slipstream.serve.cli serve` on loopback, waited on until /readyz says 200."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "slipstream.serve.cli", "serve", "--size", "tiny", "--max-len", "64",
-           "--max-batch-size", "4", "--buckets", "2", "--threads", "1", "--port", str(port), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slipstream.serve.cli",
+        "serve",
+        "--size",
+        "tiny",
+        "--max-len",
+        "64",
+        "--max-batch-size",
+        "4",
+        "--buckets",
+        "2",
+        "--threads",
+        "1",
+        "--port",
+        str(port),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -8,7 +8,9 @@ from slipstream.serve.batching import ShapePlan, partition, plan_shapes
 
 def test_plan_covers_max_len_and_caps_long_rows_by_token_budget():
     rng = np.random.default_rng(0)
-    plan = plan_shapes(rng.integers(2, 3000, 500), max_len=1024, n_lengths=4, max_batch_size=16, max_batch_tokens=4096)
+    plan = plan_shapes(
+        rng.integers(2, 3000, 500), max_len=1024, n_lengths=4, max_batch_size=16, max_batch_tokens=4096
+    )
     assert plan.lengths[-1] == 1024 and len(plan.lengths) <= 4
     assert list(plan.lengths) == sorted(plan.lengths)
     assert plan.batch_sizes[1024] == (1, 2, 4)  # 4096 tokens / 1024

@@ -8,7 +8,9 @@ from slipstream.serve.engine import EngineConfig, ScoreEngine, ServeError, score
 
 
 def _engine(tiny, **kw):
-    cfg = EngineConfig(**{"max_batch_size": 4, "n_lengths": 2, "warmup_reps": 2, "latency_budget_s": 30.0, **kw})
+    cfg = EngineConfig(
+        **{"max_batch_size": 4, "n_lengths": 2, "warmup_reps": 2, "latency_budget_s": 30.0, **kw}
+    )
     return ScoreEngine(tiny, cfg, expected_lengths=np.arange(2, 65))
 
 

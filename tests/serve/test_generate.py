@@ -37,7 +37,9 @@ def _run(gen: Generator, requests: list[dict], delays: list[float] | None = None
     async def main():
         await gen.start(warmup=False)
         try:
-            return await asyncio.gather(*[one(r, d) for r, d in zip(requests, delays or [0.0] * len(requests))])
+            return await asyncio.gather(
+                *[one(r, d) for r, d in zip(requests, delays or [0.0] * len(requests))]
+            )
         finally:
             await gen.drain(5)
 
@@ -60,7 +62,13 @@ def test_greedy_batched_generation_matches_recomputing_the_prefix(tiny, policy):
 
 
 def test_sampling_depends_only_on_the_request_not_its_batch(tiny):
-    base = {"prompt": [256, 100, 101, 102], "max_new_tokens": 10, "temperature": 1.0, "top_k": 20, "stop_at_eos": False}
+    base = {
+        "prompt": [256, 100, 101, 102],
+        "max_new_tokens": 10,
+        "temperature": 1.0,
+        "top_k": 20,
+        "stop_at_eos": False,
+    }
     alone = _run(Generator(tiny, GeneratorConfig(slots=4)), [{**base, "seed": 7}])[0][0]
     others = [{**base, "seed": s, "prompt": [256, 50 + s]} for s in range(3)]
     crowd = _run(Generator(tiny, GeneratorConfig(slots=4)), [*others, {**base, "seed": 7}])[-1][0]
@@ -74,7 +82,9 @@ def test_top_k_one_is_greedy_and_top_k_restricts_the_choice():
     logits = torch.randn(64, 50)
     seeds, steps = torch.arange(64), torch.zeros(64, dtype=torch.long)
     temps = torch.ones(64)
-    assert torch.equal(sample(logits, temps, torch.ones(64, dtype=torch.long), seeds, steps), logits.argmax(-1))
+    assert torch.equal(
+        sample(logits, temps, torch.ones(64, dtype=torch.long), seeds, steps), logits.argmax(-1)
+    )
     top3 = logits.topk(3).indices
     got = sample(logits, temps, torch.full((64,), 3), seeds, steps)
     assert all(int(g) in top3[i].tolist() for i, g in enumerate(got))

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -187,6 +188,17 @@ def create_app(
         metrics.requests.labels(endpoint, str(err.status)).inc()
         return JSONResponse({"error": err.message}, status_code=err.status, headers=headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        # The default handler echoes the input back, and an input of inf or nan cannot be encoded
+        # as JSON (a 500 found by fuzzing); name each problem's location and message instead.
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in err.errors()
+        )
+        endpoint = request.url.path.rsplit("/", 1)[-1]
+        metrics.requests.labels(endpoint, "422").inc()
+        return JSONResponse({"error": f"invalid request: {problems}"[:2000]}, status_code=422)
+
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
@@ -205,7 +217,12 @@ def create_app(
         metrics.queue_depth.set(engine.queue_depth)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/score", response_model=ScoreResponse, response_model_exclude_none=True, dependencies=[Depends(check_token)])
+    @app.post(
+        "/v1/score",
+        response_model=ScoreResponse,
+        response_model_exclude_none=True,
+        dependencies=[Depends(check_token)],
+    )
     async def score(body: ScoreRequest) -> dict:
         t0 = time.monotonic()
         tokens = body.tokens if body.tokens is not None else encode_text(body.text)

@@ -75,6 +75,7 @@ def build_app_from_args(args: argparse.Namespace):
         latency_budget_s=args.latency_budget_ms / 1000,
         default_timeout_s=args.timeout_ms / 1000,
         dtype=args.dtype,
+        workers=args.workers,
     )
     engine = ScoreEngine(loaded, cfg, expected_lengths=lengths)
     generator = None
@@ -87,7 +88,6 @@ def build_app_from_args(args: argparse.Namespace):
                 slots=args.generate_slots, policy=args.batching, dtype=args.dtype, compile=args.compile_decode
             ),
             metrics=engine.metrics,
-            lock=engine._lock,
         )
     token = args.token or os.environ.get("SLIPSTREAM_SERVE_TOKEN") or None
     app = create_app(
@@ -244,6 +244,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="padded tokens per forward at most")
     p.add_argument("--buckets", type=int, default=4, help="planned row lengths (the longest is max_len)")
+    p.add_argument(
+        "--workers", type=int, default=1, help="batches computed concurrently (CPU: pair with --threads)"
+    )
     p.add_argument("--max-queue", type=int, default=512, help="waiting requests at most; more get 503")
     p.add_argument(
         "--latency-budget-ms", type=float, default=500.0, help="batch window and load-shedding target"

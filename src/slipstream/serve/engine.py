@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import math
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +56,9 @@ class EngineConfig:
     """Compute dtype: bf16 runs under autocast."""
     warmup_reps: int = 3
     """Forward passes per shape at warm-up (the median of all but the first is the shape's latency)."""
+    workers: int = 1
+    """Batches computed concurrently, each on its own thread (on CPUs: one per core group, with
+    torch intra-op threads = cores / workers; on CUDA keep 1)."""
 
 
 class ServeError(Exception):
@@ -122,14 +124,15 @@ class ScoreEngine:
         self.ready = False
         self.draining = False
         self._queue: asyncio.Queue[_Request] | None = None
-        self._task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-score")
+        self._tasks: list[asyncio.Task] = []
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.config.workers, thread_name_prefix="slipstream-score"
+        )
         self._queued_tokens = 0
         self._inflight_tokens = 0
         self._inflight = 0
         self._gap_s = 1.0  # EWMA of the time between arrivals
         self._last_arrival: float | None = None
-        self._lock = threading.Lock()  # forward passes are serialised (the generator may share the model)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -151,7 +154,10 @@ class ScoreEngine:
         if warmup:
             await loop.run_in_executor(self._executor, self.warmup)
         self._queue = asyncio.Queue(maxsize=self.config.max_queue)
-        self._task = asyncio.create_task(self._batcher(), name="slipstream-batcher")
+        self._tasks = [
+            asyncio.create_task(self._batcher(), name=f"slipstream-batcher-{i}")
+            for i in range(self.config.workers)
+        ]
         self.ready = True
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
@@ -162,10 +168,10 @@ class ScoreEngine:
         while (self.queue_depth or self._inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         done = not (self.queue_depth or self._inflight)
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         self._executor.shutdown(wait=False, cancel_futures=True)
         return done
 
@@ -176,7 +182,11 @@ class ScoreEngine:
     # -- admission -------------------------------------------------------------------------------
 
     def predicted_wait_s(self) -> float:
-        return (self._queued_tokens + self._inflight_tokens) * self.plan.seconds_per_token()
+        return (
+            (self._queued_tokens + self._inflight_tokens)
+            * self.plan.seconds_per_token()
+            / self.config.workers
+        )
 
     async def score(
         self, tokens: list[int] | np.ndarray, timeout_s: float | None = None, token_logprobs: bool = False
@@ -281,37 +291,33 @@ class ScoreEngine:
                 continue
             groups = partition([len(r.tokens) for r in live], self.plan)
             groups.sort(key=lambda g: min(live[i].deadline for i in g[0]))  # earliest deadline first
-            self._inflight = len(live)
-            self._inflight_tokens = sum(b * L for _, b, L in groups)
-            try:
-                for idx, b, L in groups:
-                    reqs = [live[i] for i in idx]
-                    start = time.monotonic()
+            self._inflight += len(live)
+            self._inflight_tokens += sum(b * L for _, b, L in groups)
+            for idx, b, L in groups:
+                reqs = [live[i] for i in idx]
+                start = time.monotonic()
+                for r in reqs:
+                    self.metrics.queue_seconds.observe(start - r.admitted)
+                try:
+                    out = await loop.run_in_executor(
+                        self._executor, self._timed_forward, [r.tokens for r in reqs], b, L
+                    )
+                except Exception as err:  # a failing batch fails only its own requests
+                    self.stats.failed_batches += 1
                     for r in reqs:
-                        self.metrics.queue_seconds.observe(start - r.admitted)
-                    try:
-                        out = await loop.run_in_executor(
-                            self._executor, self._timed_forward, [r.tokens for r in reqs], b, L
-                        )
-                    except Exception as err:  # a failing batch fails only its own requests
-                        self.stats.failed_batches += 1
-                        for r in reqs:
-                            if not r.future.done():
-                                r.future.set_exception(
-                                    ServeError(500, f"batch failed: {type(err).__name__}: {err}")
-                                )
-                        continue
-                    finally:
-                        self._inflight -= len(reqs)
-                        self._inflight_tokens -= b * L
-                    nll, seconds = out
-                    self._record(reqs, b, L, seconds)
-                    for r, row in zip(reqs, nll):
                         if not r.future.done():
-                            r.future.set_result(_score_result(row, r.want_token_logprobs))
-            finally:
-                self._inflight = 0
-                self._inflight_tokens = 0
+                            r.future.set_exception(
+                                ServeError(500, f"batch failed: {type(err).__name__}: {err}")
+                            )
+                    continue
+                finally:
+                    self._inflight -= len(reqs)
+                    self._inflight_tokens -= b * L
+                nll, seconds = out
+                self._record(reqs, b, L, seconds)
+                for r, row in zip(reqs, nll):
+                    if not r.future.done():
+                        r.future.set_result(_score_result(row, r.want_token_logprobs))
 
     def _record(self, reqs: list[_Request], b: int, L: int, seconds: float) -> None:
         real = sum(len(r.tokens) for r in reqs)
@@ -343,7 +349,7 @@ class ScoreEngine:
             x[i, : len(row)] = t
             labels[i, : len(row) - 1] = t[1:]
         x, labels = x.to(self.device), labels.to(self.device)
-        with self._lock, torch.inference_mode(), _autocast(self.device, self.config.dtype):
+        with torch.inference_mode(), _autocast(self.device, self.config.dtype):
             nll = self.loaded.model(x, labels=labels, reduction="none")
         nll = nll.float().cpu().numpy()
         return [nll[i, : len(row) - 1] for i, row in enumerate(rows)]

@@ -242,6 +242,7 @@ async def sweep(
     step_duration_s: float = 10.0,
     max_steps: int = 20,
     max_rps: float = 5000.0,
+    min_rps: float = 0.05,
     seed: int = 0,
     pause_s: float = 1.0,
 ) -> dict[str, SweepResult]:
@@ -286,12 +287,13 @@ async def sweep(
             if st["hi"] is None:
                 st["next"] = rate * factor
                 st["done"] = st["next"] > max_rps
+            elif st["lo"] is None:  # even the first rate failed: step down until one passes
+                st["next"] = rate / factor
+                st["done"] = st["next"] < min_rps
             else:
-                st["refined"] += (
-                    1 if st["refining"] else 0
-                )  # the first failure ends growth; bisections follow
+                st["refined"] += 1 if st["refining"] else 0  # the first fail-after-pass ends growth
                 st["refining"] = True
-                if st["lo"] is None or st["refined"] >= refine_steps:
+                if st["refined"] >= refine_steps:
                     st["done"] = True
                 else:
                     st["next"] = (st["lo"] + st["hi"]) / 2
