@@ -243,7 +243,9 @@ def test_session_prefetch_gives_the_same_batches_and_resumable_state():
     # The producer ran ahead, but the state is that of the last batch the loop received.
     assert loader.state_dict()["position"] == 3
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
-    assert session.metrics().steps == 3 and session.metrics().extra["prefetch_depth"] == 3
+    m = session.metrics()
+    assert m.steps == 3 and m.extra["prefetch_depth"] == 3
+    assert m.extra["data_wait_s_per_step"] == pytest.approx(m.data_wait_s / 3)
     loader.close()
     assert _wait_gone("slipstream-prefetch") == []
 

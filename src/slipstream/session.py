@@ -304,6 +304,9 @@ class Session:
 
     def metrics(self) -> MetricsSummary:
         summary = self.tracker.summary()
+        if summary.steps:
+            # Mean time a step waited for its batch: ~0 when prefetching keeps up with the step.
+            summary.extra["data_wait_s_per_step"] = summary.data_wait_s / summary.steps
         if self.model is not None:
             summary.extra.update(compile_stats(self.model))
         if self.recipe.compile.mode != "off" or self.recipe.compile.cudagraphs:
