@@ -140,7 +140,9 @@ def test_light_mode_finds_the_sync_without_stacks():
     result = profiled("sync_item.py", CaptureConfig(wait=2, warmup=1, active=2, tail=1, light=True))
     assert result.capture.light
     assert all(not e.stack for e in result.capture.events)
-    # Without stacks the op cannot be placed in user code: nothing is blamed on a line.
+    # Found by its op; without stacks it cannot be placed in user code, so no line is blamed.
+    syncs = [(f.evidence["cause"], f.where) for f in result.findings if f.kind == "host_sync"]
+    assert syncs == [("item", None)]
     assert all(f.where is None for f in result.findings)
 
 
@@ -171,6 +173,12 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
     assert err.count("\n") == 1 and "not found" in err
     assert main(["--active", "0", "--", "python", str(SCRIPTS / "clean.py")]) == 2
     assert "active=0" in capsys.readouterr().err
+    from slipstream.cli import main as slipstream_main
+
+    assert slipstream_main(["profile", "--", "python", "no/such/script.py"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "slipstream profile: error: script 'no/such/script.py' not found"
+    )
 
 
 def test_too_few_steps_says_how_to_fix(tmp_path):

@@ -350,9 +350,18 @@ def _has_child(cap: Capture, i: int, name: str) -> bool:
 
 def find_host_syncs(cap: Capture) -> list[Finding]:
     """Per-step .item(), nonzero, boolean-mask indexing, .cpu()/.tolist(), blocking copies in user code."""
-    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    groups: dict[tuple[str, str | None], list[int]] = defaultdict(list)
     for i, cause in _sync_events(cap):
         frame = caller_frame(stack_of(cap, i))
+        if frame is None and cap.light:
+            # No stacks: keep the syncs not issued inside the optimizer or the autograd engine.
+            if any(
+                a.kind == "op" or a.name.startswith(("Optimizer.", "autograd::engine"))
+                for a in _ancestors(cap, i)
+            ):
+                continue  # issued inside another op (fused optimizer, backward ...): torch's own
+            groups[(cause, None)].append(i)
+            continue
         if frame is None or not is_user_file(frame[0], cap.own_code_is_user):
             continue  # issued inside torch or slipstream (optimizer internals ...): not the user's to fix
         where, _ = locate(frame, cause if cause != "sync" else None)

@@ -338,25 +338,19 @@ class _StepClock:
 
         Python stacks trace every call the compiler makes: a run still recompiling after its first
         step would spend minutes in dynamo under the tracer, so it is profiled in light mode."""
-        from torch._C._profiler import _ExperimentalConfig
-
         full = not self.cfg.light
-        if full and any(c.is_recompile for c in self.capture.compiles):
+        # Recompiling in the last wait step (not just once early, as automatic dynamic shapes do).
+        if full and any(c.is_recompile and 2 < c.step == self.steps for c in self.capture.compiles):
             full = False
             self.capture.light_reason = "still recompiling during the wait steps"
         self.capture.light = not full
-        self.prof = torch.profiler.profile(
-            activities=_activities(self.capture.device),
+        self.prof = make_profiler(
+            light=not full,
+            device=self.capture.device,
             schedule=torch.profiler.schedule(
                 wait=0, warmup=self.cfg.warmup, active=self.cfg.active, repeat=1
             ),
             on_trace_ready=self.on_trace_ready,
-            record_shapes=full,
-            with_stack=full,
-            # verbose: keep each op's Python stack in the events (not only in the trace)
-            experimental_config=_ExperimentalConfig(
-                verbose=full, enable_cuda_sync_events=self.capture.device == "cuda"
-            ),
         )
         self.prof.start()
 
@@ -467,6 +461,28 @@ def extract_events(prof: torch.profiler.profile, capture: Capture, search: Seque
 
 
 # ----------------------------------------------------------------------------- the capture
+
+
+def make_profiler(
+    *,
+    light: bool,
+    device: str,
+    schedule: Callable[[int], Any],
+    on_trace_ready: Callable[[torch.profiler.profile], None] | None = None,
+) -> torch.profiler.profile:
+    """The profiler a capture runs: full (shapes, Python stacks kept on every op) or light."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    full = not light
+    return torch.profiler.profile(
+        activities=_activities(device),
+        schedule=schedule,
+        on_trace_ready=on_trace_ready,
+        record_shapes=full,
+        with_stack=full,
+        # verbose: keep each op's Python stack in the events (not only in the trace)
+        experimental_config=_ExperimentalConfig(verbose=full, enable_cuda_sync_events=device == "cuda"),
+    )
 
 
 def _activities(device: str) -> list[torch.profiler.ProfilerActivity]:

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="scripts: let the script finish instead of stopping it after the profiled steps",
     )
     p.add_argument(
-        "command",
+        "script_command",  # not `command`: the top-level parser keeps the subcommand's name there
+        metavar="-- COMMAND",
         nargs=argparse.REMAINDER,
         help="after `--`: the script to profile instead, e.g. `-- python train.py args`",
     )
@@ -59,7 +60,7 @@ def handler(args: argparse.Namespace) -> int:
     from .capture import CaptureConfig
     from .report import render, write_json
 
-    command = list(args.command or [])
+    command = list(args.script_command or [])
     if command and command[0] == "--":
         command = command[1:]
     if command and command[0].startswith("-") and command[0] != "-m":
