@@ -16,6 +16,7 @@ from .recipe import (
     load_recipe,
     save_recipe,
 )
+from .profile.capture import mark_step
 from .session import Session
 from .train import TrainResult, train
 
@@ -35,6 +36,7 @@ __all__ = [
     "TrainResult",
     "get_preset",
     "load_recipe",
+    "mark_step",
     "resolve_recipe",
     "save_recipe",
     "train",
