@@ -76,7 +76,7 @@ def test_workload_range_test_runs_on_gpt_tiny():
         size="tiny",
         start_lr=1e-5,
         end_lr=10.0,
-        num_steps=40,
+        num_steps=20,
     )
     assert res.stop_reason == "diverged" or len(res.lrs) == 40
     assert min(res.smoothed) < res.smoothed[0]  # learning happened somewhere in the sweep

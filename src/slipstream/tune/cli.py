@@ -86,7 +86,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("runs") / "tune" / study_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     storage = open_storage(args.storage, run_dir, heartbeat_interval=args.heartbeat)
-    warmup = args.prune_warmup if args.prune_warmup is not None else max(args.eval_every, args.steps // 4)
+    warmup = args.prune_warmup if args.prune_warmup is not None else max(args.eval_every, args.steps // 2)
     pruner = make_pruner(args.pruner, warmup_steps=0 if args.objective else warmup)
 
     print(f"study {study_name!r} in {storage_url(args.storage, run_dir)}")
@@ -245,7 +245,7 @@ def add_parser(subparsers: Any) -> None:
         "--pruner", default="median", choices=PRUNERS, help="stop bad trials early (default: median)"
     )
     p.add_argument(
-        "--prune-warmup", type=int, help="no pruning before this step (default: max(eval-every, steps/4))"
+        "--prune-warmup", type=int, help="no pruning before this step (default: max(eval-every, steps/2))"
     )
     p.add_argument("--steps", type=int, default=100, help="training steps per trial (default: 100)")
     p.add_argument(

@@ -110,11 +110,11 @@ class WorkloadObjective:
     """Train `workload` under the base recipe with the trial's values; the value is the final
     token-weighted validation loss.
 
-    Training runs in chunks of `eval_every` steps through `slipstream.train` with a checkpoint
-    in between (its resume is exact, so a trial that is not pruned trains exactly as one
-    uninterrupted run). After each chunk the validation loss is reported to Optuna and the
-    pruner may stop the trial. A run whose loss turns non-finite is pruned (a diverged learning
-    rate is a bad trial, not a crash).
+    After every validation (every `eval_every` steps) the loss is reported to Optuna and the
+    pruner may stop the trial. With a `slipstream.train` that takes `on_eval`, that is one run;
+    otherwise training runs in chunks of `eval_every` steps with a checkpoint in between (resume
+    is exact, so a trial trains as one uninterrupted run). A run whose loss turns non-finite is
+    pruned (a diverged learning rate is a bad trial, not a crash).
     """
 
     workload: str
@@ -131,6 +131,8 @@ class WorkloadObjective:
         return apply_params(self.recipe, params, name=name)
 
     def __call__(self, trial: Any) -> float:
+        import inspect
+
         import optuna
 
         from ..train import train
@@ -138,33 +140,45 @@ class WorkloadObjective:
         params = {p.name: p.suggest(trial) for p in self.space}
         recipe = self.recipe_for(params, name=f"trial-{trial.number}")
         every = max(1, min(self.eval_every, self.steps))
+        common = dict(size=self.size, eval_every=every, eval_batches=self.eval_batches, progress=False)
+
+        reported: set[int] = set()
+
+        def report(step: int, loss: float) -> None:
+            if not math.isfinite(loss):
+                raise optuna.TrialPruned(f"validation loss {loss} at step {step}")
+            if step == 0 or step in reported:
+                return
+            reported.add(step)
+            trial.report(loss, step)
+            if step < self.steps and trial.should_prune():
+                raise optuna.TrialPruned(f"val_loss {loss:.4f} at step {step}")
+
+        try:
+            if "on_eval" in inspect.signature(train).parameters:
+                result = train(self.workload, recipe, self.steps, on_eval=report, **common)
+            elif recipe.optimizer.schedule != "constant":
+                # A decaying schedule spans the whole run: chunks would each decay on their own
+                # length. Without train(on_eval=...) such a trial reports its final loss only.
+                result = train(self.workload, recipe, self.steps, **common)
+            else:
+                result = self._chunked(train, recipe, every, report, common)
+        except FloatingPointError as err:
+            raise optuna.TrialPruned(f"diverged: {err}") from err
+        loss = float(result.val_loss[-1]["loss"])
+        report(self.steps, loss)
+        return loss
+
+    def _chunked(self, train: Any, recipe: Recipe, every: int, report: Any, common: dict) -> Any:
         ends = list(range(every, self.steps + 1, every))
         if ends[-1] != self.steps:
             ends.append(self.steps)
-        loss = math.inf
         with tempfile.TemporaryDirectory(prefix="slipstream-trial-") as ckpt:
             for i, end in enumerate(ends):
-                try:
-                    result = train(
-                        self.workload,
-                        recipe,
-                        end,
-                        size=self.size,
-                        eval_every=every,
-                        eval_batches=self.eval_batches,
-                        checkpoint_dir=Path(ckpt),
-                        resume=i > 0,
-                        progress=False,
-                    )
-                except FloatingPointError as err:
-                    raise optuna.TrialPruned(f"diverged: {err}") from err
-                loss = float(result.val_loss[-1]["loss"])
-                if not math.isfinite(loss):
-                    raise optuna.TrialPruned(f"validation loss {loss} at step {end}")
-                trial.report(loss, end)
-                if end < self.steps and trial.should_prune():
-                    raise optuna.TrialPruned(f"val_loss {loss:.4f} at step {end}")
-        return loss
+                result = train(self.workload, recipe, end, checkpoint_dir=Path(ckpt), resume=i > 0, **common)
+                if end < self.steps:
+                    report(end, float(result.val_loss[-1]["loss"]))
+        return result
 
 
 __all__ = ["SYNTHETIC", "SyntheticFunction", "WorkloadObjective", "lr_valley", "shifted_quadratic"]

@@ -154,7 +154,7 @@ def choose_method(
     return tpe(f"auto: {n} numeric parameters (> {GP_MAX_PARAMS}) -> TPE (cmaes is not installed)")
 
 
-def make_pruner(kind: str, *, warmup_steps: int = 0, startup_trials: int = 3) -> Any:
+def make_pruner(kind: str, *, warmup_steps: int = 0, startup_trials: int = 5) -> Any:
     """median: prune a trial whose loss at a step is worse than the median of earlier trials at that
     step, after `startup_trials` finished trials and not before step `warmup_steps`.
     halving: successive halving whose first rung is at step `warmup_steps` (keeps 1/3 per rung)."""
@@ -179,7 +179,7 @@ def open_storage(
     storage: str | None, run_dir: Path, *, heartbeat_interval: int = 10, grace_period: int | None = None
 ) -> Any:
     """Open (and create) the study storage; see the module docstring for the kinds."""
-    optuna = require_optuna()
+    require_optuna()
     url = storage_url(storage, run_dir)
     if url.startswith("journal:") or url.endswith(".journal"):
         from optuna.storages import JournalStorage
@@ -197,16 +197,7 @@ def open_storage(
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore", optuna.exceptions.ExperimentalWarning
-            )  # heartbeat: stable since 2.9
-            return optuna.storages.RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=heartbeat_interval,
-                grace_period=grace_period if grace_period is not None else 2 * heartbeat_interval,
-            )
+        return _rdb_storage(url, engine_kwargs, heartbeat_interval, grace_period)
     except ModuleNotFoundError as err:
         raise RecipeError(
             f"--storage {url.split('://')[0]}://...: the database driver is missing ({err.name}); "
@@ -214,6 +205,32 @@ def open_storage(
         ) from err
     except Exception as err:  # SQLAlchemy's connection errors
         raise RecipeError(f"cannot open study storage {_redact(url)}: {type(err).__name__}: {err}") from err
+
+
+def _rdb_storage(
+    url: str, engine_kwargs: dict[str, Any], heartbeat_interval: int, grace_period: int | None
+) -> Any:
+    import optuna
+    import sqlalchemy.exc
+
+    for attempt in range(6):
+        try:
+            with warnings.catch_warnings():
+                # The heartbeat is marked experimental, and has been stable since Optuna 2.9.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    url,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=heartbeat_interval,
+                    grace_period=grace_period if grace_period is not None else 2 * heartbeat_interval,
+                )
+        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError):
+            # Workers that open a new database together race to create its tables; the loser's
+            # CREATE or version INSERT fails, and a second try finds the tables made.
+            if attempt == 5:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _redact(url: str) -> str:
@@ -289,6 +306,10 @@ def run_study(
     worker = f"{socket.gethostname()}:{os.getpid()}"
 
     def wrapped(trial: Any) -> float:
+        if heartbeat:
+            # Optuna's heartbeat thread writes its first beat a moment after the trial starts; a
+            # worker killed before it leaves a RUNNING trial that never turns stale. Beat now.
+            storage.record_heartbeat(trial._trial_id)
         trial.set_user_attr("slipstream_worker", worker)
         return objective(trial)
 

@@ -1,0 +1,67 @@
+"""Several worker processes on one study in embedded SQLite storage: no duplicate parameter sets,
+a killed worker's trial turns FAILED (heartbeat) and the study still reaches its trial count."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+WORKER = Path(__file__).with_name("_worker.py")
+
+
+def _start(url, study, n, sleep_s, *extra):
+    return subprocess.Popen([sys.executable, str(WORKER), url, study, str(n), str(sleep_s), *extra])
+
+
+def _trials(url, study):
+    return optuna.load_study(study_name=study, storage=url).get_trials(deepcopy=False)
+
+
+def test_two_workers_share_a_study_without_duplicates(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    n = 10
+    procs = [_start(url, "shared", n, 0.2) for _ in range(2)]
+    for p in procs:
+        assert p.wait(timeout=240) == 0
+    trials = _trials(url, "shared")
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    # Each worker stops once n trials are finished or running; two that start a trial at the same
+    # instant may add one more.
+    assert n <= len(complete) <= n + 1
+    params = [tuple(sorted(t.params.items())) for t in trials]
+    assert len(set(params)) == len(params)
+    workers = {t.user_attrs["slipstream_worker"] for t in complete}
+    assert len(workers) == 2  # both took part
+
+
+def test_killed_worker_leaves_a_failed_trial_and_the_other_finishes(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    n = 6
+    doomed = _start(url, "crash", n, 0.0, "hang")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            # The worker attribute is set after the trial's first heartbeat.
+            if any(t.state == TrialState.RUNNING and t.user_attrs for t in _trials(url, "crash")):
+                break
+        except KeyError:  # the study does not exist yet
+            pass
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the first worker never started a trial")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait(timeout=30)
+    survivor = _start(url, "crash", n, 0.2)
+    assert survivor.wait(timeout=300) == 0
+    trials = _trials(url, "crash")
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(failed) == 1 and failed[0].user_attrs["slipstream_worker"].endswith(f":{doomed.pid}")
+    assert len(complete) == n
+    assert all(t.user_attrs["slipstream_worker"].endswith(f":{survivor.pid}") for t in complete)
+    assert not any(t.state == TrialState.RUNNING for t in trials)
