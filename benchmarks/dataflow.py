@@ -10,7 +10,13 @@ Per round, interleaved (A B C ... A B C ...; round 0 is warm-up and excluded), e
 - thread:   `workers` threads + prefetch thread (depth 2);
 - process:  `workers` DataLoader processes (persistent) + prefetch thread (depth 2).
 Reported: samples/s per mode (median over rounds, with min..max), speed-up over `none`, and the
-pipelined step time against the bound max(compute step, data time / workers).
+pipelined step time against the bound max(compute step, data time / workers), and how many CPU
+seconds per wall second the process got (a saturated shared machine gives it ~1 whatever it asks).
+
+    python benchmarks/dataflow.py --sleep-step-ms 45 ...   # device-bound step: the CPU stays free
+
+`--sleep-step-ms` replaces the CNN step by a sleep, which is what the host sees of a GPU step: it
+measures the pipeline's overlap where compute does not compete with decode for the same cores.
 
 torch runs with --threads intra-op threads (default 1): on a 2-core machine the step gets one core
 and the data pipeline the other. Two OpenMP threads on a core that a worker also needs stall the
@@ -53,14 +59,19 @@ def machine() -> dict[str, object]:
     }
 
 
-def _step(model, opt, batch) -> None:
+def _step(model, opt, batch, sleep_s: float = 0.0) -> None:
+    if sleep_s:  # a device-bound step: the host only waits (as it does for a GPU), its CPU is free
+        time.sleep(sleep_s)
+        return
     loss = model(**batch)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def run(size: str, workers: int, rounds: int, steps: int, depth: int, modes: list[str]) -> dict[str, object]:
+def run(
+    size: str, workers: int, rounds: int, steps: int, depth: int, modes: list[str], sleep_s: float = 0.0
+) -> dict[str, object]:
     from slipstream.dataflow import PrefetchLoader, SampleLoader
     from slipstream.workloads.vision import BATCH_SIZE, build_cnn, collate_images, load_vision_data
 
@@ -86,21 +97,25 @@ def run(size: str, workers: int, rounds: int, steps: int, depth: int, modes: lis
     }
     iters = {k: iter(v.forever()) for k, v in loaders.items() if k in modes}
     step_times: dict[str, list[float]] = {m: [] for m in ["compute", "data", *iters]}
+    cpu_share: dict[str, list[float]] = {m: [] for m in step_times}
     try:
         for r in range(rounds + 1):
             for mode in step_times:
                 times = []
+                c0, w0 = time.process_time(), time.perf_counter()
                 for i in range(steps):
                     t = time.perf_counter()
                     if mode == "compute":
-                        _step(model, opt, ready[i % len(ready)])
+                        _step(model, opt, ready[i % len(ready)], sleep_s)
                     elif mode == "data":
                         next(serial_data)
                     else:
-                        _step(model, opt, next(iters[mode]))
+                        _step(model, opt, next(iters[mode]), sleep_s)
                     times.append(time.perf_counter() - t)
                 if r > 0:  # round 0: warm-up (allocator, pools, process start-up)
                     step_times[mode].append(statistics.median(times))
+                    # CPU seconds this process got per wall second (threads of this process only)
+                    cpu_share[mode].append((time.process_time() - c0) / (time.perf_counter() - w0))
             print(
                 f"round {r}: " + ", ".join(f"{m} {v[-1] * 1e3:.0f} ms" for m, v in step_times.items() if v),
                 flush=True,
@@ -120,6 +135,7 @@ def run(size: str, workers: int, rounds: int, steps: int, depth: int, modes: lis
         "steps_per_round": steps,
         "torch_threads": torch.get_num_threads(),
         "image_generation_s": gen_s,
+        "simulated_device_step_s": sleep_s,
         "compute_step_s": med["compute"],
         "data_batch_s": med["data"],
         "data_batch_per_worker_s": med["data"] / max(workers, 1),
@@ -134,6 +150,7 @@ def run(size: str, workers: int, rounds: int, steps: int, depth: int, modes: lis
         out[f"{mode}_samples_per_s_max"] = float(max(per_round))
         out[f"{mode}_step_s_rounds"] = step_times[mode]
     out["compute_step_s_rounds"] = step_times["compute"]
+    out["process_cpu_s_per_wall_s_median"] = {m: float(np.median(v)) for m, v in cpu_share.items()}
     out["data_batch_s_rounds"] = step_times["data"]
     for mode in ("thread", "process"):
         if mode in iters and "none" in iters:
@@ -154,10 +171,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the step")
     ap.add_argument("--modes", default="none,thread,process")
+    ap.add_argument(
+        "--sleep-step-ms",
+        type=float,
+        default=0.0,
+        help="replace the CNN step by a sleep of this length: a device-bound step that leaves the CPU free",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    res = run(args.size, args.workers, args.rounds, args.steps, args.depth, args.modes.split(","))
+    res = run(
+        args.size,
+        args.workers,
+        args.rounds,
+        args.steps,
+        args.depth,
+        args.modes.split(","),
+        args.sleep_step_ms / 1e3,
+    )
     print(
         f"compute-only step {res['compute_step_s'] * 1e3:.1f} ms, data {res['data_batch_s'] * 1e3:.1f} ms/batch "
         f"on one thread -> bound max(compute, data/{args.workers}) = {res['pipelined_bound_s'] * 1e3:.1f} ms"
@@ -172,6 +203,7 @@ def main() -> None:
                     f"step / bound {res[f'{mode}_step_over_bound']:.2f}"
                 )
             print(line)
+    print("CPU seconds per wall second of this process:", res["process_cpu_s_per_wall_s_median"])
     if args.out:
         result = {
             "benchmark": "dataflow",
