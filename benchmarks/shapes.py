@@ -212,6 +212,11 @@ def throughput(rounds: int, steps_per_round: int, size: str) -> dict[str, object
             "real_tokens_per_s_min": round(min(vals), 1),
             "real_tokens_per_s_max": round(max(vals), 1),
             "speedup_vs_pad_max": round(med / base, 3),
+            # each round's ratio is side by side in time, so it is robust to load drifting between rounds
+            "speedup_per_round": [round(v / b, 3) for v, b in zip(vals, per_round["pad_max"])],
+            "speedup_median_of_rounds": round(
+                float(np.median([v / b for v, b in zip(vals, per_round["pad_max"])])), 3
+            ),
             "per_round_real_tokens_per_s": [round(v, 1) for v in vals],
         }
         print(
