@@ -46,8 +46,9 @@ def _score_rows(model, rows: list[list[int]]) -> list[dict]:
         t = torch.as_tensor(r, dtype=torch.long)
         x[i, : len(r)] = t
         y[i, : len(r) - 1] = t[1:]
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        nll = model(x, labels=y, reduction="none").float()
+        nll = model(x.to(device), labels=y.to(device), reduction="none").float().cpu()
     out = []
     for i, r in enumerate(rows):
         s = -float(nll[i, : len(r) - 1].sum())
@@ -63,7 +64,9 @@ def _model(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    return load_model(size=args.size, checkpoint=args.checkpoint, max_len=args.max_len).model
+    return load_model(
+        size=args.size, checkpoint=args.checkpoint, max_len=args.max_len, device=args.device
+    ).model
 
 
 def run_plain(args) -> None:
@@ -86,9 +89,9 @@ def run_litserve(args) -> None:
     api = ScoreAPI(
         args, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout, api_path="/v1/score"
     )
-    ls.LitServer(api, accelerator="cpu", workers_per_device=args.workers).run(
-        host="127.0.0.1", port=args.port, generate_client_file=False
-    )
+    ls.LitServer(
+        api, accelerator="cuda" if args.device == "cuda" else "cpu", workers_per_device=args.workers
+    ).run(host="127.0.0.1", port=args.port, generate_client_file=False)
 
 
 class Body(BaseModel):
@@ -170,11 +173,30 @@ def compare(args) -> int:
 
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    common = ["--size", args.size, "--threads", str(args.threads), "--max-len", str(args.max_len)]
+    common = [
+        "--size",
+        args.size,
+        "--threads",
+        str(args.threads),
+        "--max-len",
+        str(args.max_len),
+        "--device",
+        args.device,
+    ]
     if args.checkpoint:
         common += ["--checkpoint", args.checkpoint]
     py = sys.executable
-    ports = {"plain": 18601, "litserve": 18602, "slipstream": 18603}
+    ports = {"plain": 18601, "litserve": 18602, "slipstream": 18603, "slipstream-bf16": 18604}
+    ss_flags = [
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--latency-budget-ms",
+        str(args.slo_ms * 0.6),
+        "--workers",
+        str(args.workers),
+        "--timeout-ms",
+        str(args.slo_ms * 2),
+    ]
     argv = {
         "plain": [py, __file__, "plain", "--port", str(ports["plain"]), *common],
         "litserve": [
@@ -196,12 +218,23 @@ def compare(args) -> int:
             "serve",
             "--port",
             str(ports["slipstream"]),
-            "--max-batch-size",
-            str(args.max_batch_size),
-            "--latency-budget-ms",
-            str(args.slo_ms / 2),
-            "--timeout-ms",
-            str(args.slo_ms * 2),
+            "--json",
+            str(logs / "slipstream-stats.json"),
+            *ss_flags,
+            *common,
+        ],
+        # The same server computing under bf16 autocast: a precision change, reported apart from the
+        # batching comparison, with its validation-loss delta measured by `slipstream quantize-eval`.
+        "slipstream-bf16": [
+            py,
+            "-m",
+            "slipstream.serve.cli",
+            "serve",
+            "--port",
+            str(ports["slipstream-bf16"]),
+            "--dtype",
+            "bf16",
+            *ss_flags,
             *common,
         ],
     }
@@ -229,6 +262,7 @@ def compare(args) -> int:
                 refine_steps=args.refine,
                 step_duration_s=args.step_s,
                 max_steps=args.max_steps,
+                progress=lambda line: print(line, flush=True),
             )
         )
         result = {
@@ -301,6 +335,12 @@ def compare(args) -> int:
                 f"errors {res.errors_by_status}, RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB, alive {o['server_alive']}",
                 flush=True,
             )
+        if "slipstream" in procs:  # the server's measured latency per planned shape, read from its metrics
+            procs["slipstream"].send_signal(15)
+            procs["slipstream"].wait(timeout=60)
+            stats = logs / "slipstream-stats.json"
+            if stats.exists():
+                result["slipstream_batching"] = json.loads(stats.read_text())
         if args.json:
             from slipstream.recipe import atomic_write_text
 
@@ -317,10 +357,126 @@ def compare(args) -> int:
     return 0
 
 
+def generation(args) -> int:
+    """Continuous vs static batching, in process, same Poisson arrivals, interleaved repetitions."""
+    import statistics
+
+    import numpy as np
+    import torch
+
+    from slipstream.serve.generate import Generator, GeneratorConfig
+    from slipstream.serve.model import load_model
+    from slipstream.workloads.corpus import load_stdlib_corpus
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    loaded = load_model(size=args.size, checkpoint=args.checkpoint, max_len=args.max_len, device=args.device)
+    val = load_stdlib_corpus().validation
+    rng = np.random.default_rng(0)
+    n = args.gen_requests
+    prompts = [np.asarray(val[i])[: args.prompt_tokens].tolist() for i in range(n)]
+    new_tokens = rng.integers(args.min_new, args.max_new + 1, n).tolist()
+    arrivals = np.cumsum(rng.exponential(1 / args.gen_rate, n)).tolist()
+    gens = {
+        p: Generator(loaded, GeneratorConfig(slots=args.slots, policy=p)) for p in ("continuous", "static")
+    }
+
+    async def run(gen: Generator) -> dict:
+        await gen.start(warmup=False)
+        start = time.perf_counter()
+        ttft, done_at = [], []
+
+        async def one(i):
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            t0 = start + arrivals[i]  # measured from the intended arrival
+            stream = await gen.submit(prompts[i], max_new_tokens=new_tokens[i], stop_at_eos=False)
+            k = 0
+            async for _ in stream:
+                if k == 0:
+                    ttft.append(time.perf_counter() - t0)
+                k += 1
+            done_at.append(time.perf_counter())
+            return k
+
+        counts = await asyncio.gather(*[one(i) for i in range(n)])
+        elapsed = max(done_at) - start
+        gen.ready = False  # reuse: stop the loop, keep the executor
+        gen._task.cancel()
+        return {
+            "tokens": sum(counts),
+            "elapsed_s": elapsed,
+            "tokens_per_s": sum(counts) / elapsed,
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
+        }
+
+    gens["continuous"].warmup()
+    runs = {p: [] for p in gens}
+    for rep in range(args.gen_reps):
+        order = ["continuous", "static"] if rep % 2 == 0 else ["static", "continuous"]
+        for p in order:
+            gens[p].stats.ttft_s.clear()
+            r = asyncio.run(run(gens[p]))
+            runs[p].append(r)
+            print(
+                f"rep {rep} {p:>10}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms, p99 {r['ttft_p99_s'] * 1000:.0f} ms",
+                flush=True,
+            )
+    summary = {
+        p: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s")}
+        for p, rs in runs.items()
+    }
+    result = {
+        "benchmark": "serve-generate-continuous-vs-static",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "note": "2 shared cores; other jobs ran concurrently",
+        },
+        "model": {
+            "size": args.size,
+            "max_len": loaded.max_len,
+            "threads": args.threads,
+            "checkpoint": args.checkpoint,
+        },
+        "load": {
+            "requests": n,
+            "poisson_rate_rps": args.gen_rate,
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens_uniform": [args.min_new, args.max_new],
+            "slots": args.slots,
+            "reps": args.gen_reps,
+        },
+        "median": summary,
+        "continuous_vs_static_tokens_per_s": summary["continuous"]["tokens_per_s"]
+        / summary["static"]["tokens_per_s"],
+        "static_vs_continuous_ttft_p99": summary["static"]["ttft_p99_s"]
+        / summary["continuous"]["ttft_p99_s"],
+        "runs": runs,
+    }
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("median", "continuous_vs_static_tokens_per_s", "static_vs_continuous_ttft_p99")
+            },
+            indent=1,
+        )
+    )
+    if args.json:
+        from slipstream.recipe import atomic_write_text
+
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2, default=str) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("compare", "plain", "litserve"))
+    p.add_argument("mode", choices=("compare", "generate", "plain", "litserve"))
     p.add_argument("--size", default="small")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the same for every system)")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
@@ -330,7 +486,7 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8101)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--batch-timeout", type=float, default=0.01, help="LitServe's batch window, seconds")
-    p.add_argument("--systems", default="plain,litserve,slipstream")
+    p.add_argument("--systems", default="plain,litserve,slipstream,slipstream-bf16")
     p.add_argument("--slo-ms", type=float, default=1000.0)
     p.add_argument("--start-rate", type=float, default=2.0)
     p.add_argument("--factor", type=float, default=1.5)
@@ -340,11 +496,20 @@ def main(argv=None) -> int:
     p.add_argument("--overload-s", type=float, default=60.0)
     p.add_argument("--log-dir", default="/tmp/slipstream-serve-bench")
     p.add_argument("--json", default=None)
+    p.add_argument("--slots", type=int, default=8, help="generate: KV-cache slots")
+    p.add_argument("--gen-requests", type=int, default=40)
+    p.add_argument("--gen-rate", type=float, default=3.0, help="generate: Poisson arrivals per second")
+    p.add_argument("--gen-reps", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--min-new", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=128)
     args = p.parse_args(argv)
     if args.mode == "plain":
         run_plain(args)
     elif args.mode == "litserve":
         run_litserve(args)
+    elif args.mode == "generate":
+        return generation(args)
     else:
         return compare(args)
     return 0

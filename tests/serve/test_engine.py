@@ -169,3 +169,24 @@ def test_drain_finishes_queued_work_then_refuses(tiny):
 
     done, res, status = asyncio.run(run())
     assert done and all(isinstance(r, dict) for r in res) and status == 503
+
+
+@pytest.mark.parametrize(("cost", "expect_batched"), [("flat", True), ("linear", False)])
+def test_batch_window_waits_only_when_batching_is_measured_to_pay(tiny, cost, expect_batched):
+    eng = _engine(tiny, latency_budget_s=2.0)
+
+    async def run():
+        await eng.start(warmup=False)
+        for b, L in eng.plan.shapes:  # flat: a GPU-like forward; linear: a compute-bound CPU
+            eng.plan.latency_s[(b, L)] = 0.01 if cost == "flat" else 0.01 * b
+        eng._gap_s = 0.05  # arrivals expected every 50 ms
+        first = asyncio.create_task(eng.score([1, 2, 3]))
+        await asyncio.sleep(0.04)  # within the window (2 expected gaps)
+        second = asyncio.create_task(eng.score([1, 2, 3, 4]))
+        await asyncio.gather(first, second)
+        await eng.drain(2)
+
+    asyncio.run(run())
+    assert (eng.stats.batches == 1) is expect_batched
+    if not expect_batched:
+        assert eng.stats.batches == 2

@@ -10,8 +10,9 @@ The batch window is adaptive (after BentoML): with the oldest request's age `w`,
 latency `t(n+1)` of the batch with one more request (measured per shape at warm-up, then an
 EWMA of real batches) and the mean gap `g` between arrivals, the batch closes when
 `w + t(n+1) + g > latency_budget_s` — i.e. when waiting for one more request would be expected to
-break the budget — or when it is full. Under load the queue is never empty when the compute thread
-frees up, so batches fill without any waiting at all.
+break the budget — when it is full, or when the measured costs say a bigger batch does not cost
+less per request (a compute-bound CPU: waiting would only add latency). Under load the queue is
+never empty when a worker frees up, so batches fill without any waiting at all.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import math
 import statistics
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -123,7 +125,9 @@ class ScoreEngine:
         self.stats = EngineStats()
         self.ready = False
         self.draining = False
-        self._queue: asyncio.Queue[_Request] | None = None
+        self._pending: deque[_Request] = deque()  # admitted, not yet in a batch (oldest first)
+        self._available: asyncio.Event | None = None
+        self._started = False
         self._tasks: list[asyncio.Task] = []
         self._executor = ThreadPoolExecutor(
             max_workers=self.config.workers, thread_name_prefix="slipstream-score"
@@ -153,7 +157,8 @@ class ScoreEngine:
         loop = asyncio.get_running_loop()
         if warmup:
             await loop.run_in_executor(self._executor, self.warmup)
-        self._queue = asyncio.Queue(maxsize=self.config.max_queue)
+        self._available = asyncio.Event()
+        self._started = True
         self._tasks = [
             asyncio.create_task(self._batcher(), name=f"slipstream-batcher-{i}")
             for i in range(self.config.workers)
@@ -177,7 +182,7 @@ class ScoreEngine:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize() if self._queue is not None else 0
+        return len(self._pending)
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -191,7 +196,7 @@ class ScoreEngine:
     async def score(
         self, tokens: list[int] | np.ndarray, timeout_s: float | None = None, token_logprobs: bool = False
     ) -> dict:
-        if self._queue is None or self.draining:
+        if not self._started or self.draining:
             self.metrics.rejections.labels("draining" if self.draining else "not_ready").inc()
             raise ServeError(
                 503, "server is not accepting requests (starting or draining); retry shortly", 1.0
@@ -225,49 +230,81 @@ class ScoreEngine:
             self._gap_s = 0.9 * self._gap_s + 0.1 * (now - self._last_arrival)
         self._last_arrival = now
         req = _Request(arr, L, now, now + timeout, asyncio.get_running_loop().create_future(), token_logprobs)
-        try:
-            self._queue.put_nowait(req)
-        except asyncio.QueueFull:
+        if len(self._pending) >= self.config.max_queue:
             self.metrics.rejections.labels("queue_full").inc()
             raise ServeError(
                 503, f"queue full ({self.config.max_queue} waiting); retry later", max(1.0, wait)
-            ) from None
+            )
+        self._pending.append(req)
+        self._available.set()
         self._queued_tokens += L
         self.metrics.queue_depth.set(self.queue_depth)
         return await req.future
 
     # -- batching --------------------------------------------------------------------------------
 
-    def _take(self, batch: list[_Request]) -> None:
-        req = self._queue.get_nowait()
+    def _pop(self) -> _Request:
+        req = self._pending.popleft()
         self._queued_tokens -= req.row_length
-        batch.append(req)
+        if not self._pending:
+            self._available.clear()
+        return req
+
+    def _push_back(self, req: _Request) -> None:
+        """Return a request to the head of the queue (another worker or the next batch takes it)."""
+        self._pending.appendleft(req)
+        self._queued_tokens += req.row_length
+        self._available.set()
+
+    async def _wait_pending(self, timeout: float | None = None) -> bool:
+        if not self._pending:
+            try:
+                await asyncio.wait_for(self._available.wait(), timeout)
+            except TimeoutError:
+                return False
+        return bool(self._pending)
+
+    def _fits_one_batch(self, batch: list[_Request], req: _Request) -> bool:
+        """Whether `req` joins this batch: the measured-cost partition keeps them in one shape."""
+        return len(partition([len(r.tokens) for r in batch] + [len(req.tokens)], self.plan)) == 1
 
     async def _collect(self) -> list[_Request]:
-        first = await self._queue.get()
-        self._queued_tokens -= first.row_length
-        batch = [first]
+        """One batch = one planned shape; requests that would rather run apart stay queued for
+        the next batch or another worker."""
+        while not await self._wait_pending():
+            pass
+        batch = [self._pop()]
+        first = batch[0]
         cfg = self.config
         while len(batch) < cfg.max_batch_size:
-            while self._queue.qsize() and len(batch) < cfg.max_batch_size:
-                self._take(batch)
+            while self._pending and len(batch) < cfg.max_batch_size:
+                req = self._pop()
+                if not self._fits_one_batch(batch, req):
+                    self._push_back(req)
+                    return batch
+                batch.append(req)
             if len(batch) >= cfg.max_batch_size or self.draining:
                 break
             L = max(r.row_length for r in batch)
             b = self.plan.batch_for(len(batch) + 1, L)
-            if b is None:
+            if b is None or not self._batching_pays(len(batch), b, L):
                 break
             age = time.monotonic() - first.admitted
             slack = cfg.latency_budget_s - age - self.plan.predict(b, L)
             if slack <= self._gap_s:
                 break  # the next arrival is not expected in time to be worth the wait
-            try:
-                req = await asyncio.wait_for(self._queue.get(), timeout=min(slack, 2 * self._gap_s))
-            except TimeoutError:
+            if not await self._wait_pending(timeout=min(slack, 2 * self._gap_s)):
                 break
-            self._queued_tokens -= req.row_length
-            batch.append(req)
         return batch
+
+    def _batching_pays(self, n: int, b: int, L: int) -> bool:
+        """Waiting for one more request is worth it only if a bigger batch costs less per request.
+
+        Measured, not assumed: on a GPU a (b, L) forward costs about as much as (1, L); on a
+        compute-bound CPU it costs b times as much (or more), and waiting only adds latency.
+        """
+        current = self.plan.batch_for(n, L) or n
+        return self.plan.predict(b, L) / (n + 1) < 0.9 * self.plan.predict(current, L) / n
 
     async def _batcher(self) -> None:
         loop = asyncio.get_running_loop()

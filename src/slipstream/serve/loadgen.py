@@ -245,6 +245,7 @@ async def sweep(
     min_rps: float = 0.05,
     seed: int = 0,
     pause_s: float = 1.0,
+    progress=None,
 ) -> dict[str, SweepResult]:
     """Find each target's highest Poisson rate with p99 <= SLO, the targets measured side by side.
 
@@ -280,6 +281,11 @@ async def sweep(
             res = await open_loop(targets[name], payloads, rate, step_duration_s, seed=seed + round_no)
             ok = res.passes(slo_p99_s)
             st["steps"].append({"rate_rps": rate, "passed": ok, **res.to_json()})
+            if progress is not None:
+                p99 = "-" if res.p99_s is None else f"{res.p99_s * 1000:.0f} ms"
+                progress(
+                    f"{name}: {rate:.2f} req/s -> p99 {p99}, ok {res.ok}/{res.sent} {'pass' if ok else 'FAIL'}"
+                )
             if ok:
                 st["lo"], st["p99"] = rate, res.p99_s
             else:
