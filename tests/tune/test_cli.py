@@ -49,7 +49,7 @@ def test_tune_workload_writes_json_and_a_ready_recipe(tmp_path, capsys):
     )
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["method"] == "gp" and "auto" in data["method_reason"]
+    assert data["method"] == "tpe" and "pruning" in data["method_reason"]
     assert len(data["trials"]) == 2
     assert {"params", "value", "state"} <= set(data["trials"][0])
     assert data["trials"][0]["base"] and data["trials"][0]["params"] == {
@@ -62,7 +62,7 @@ def test_tune_workload_writes_json_and_a_ready_recipe(tmp_path, capsys):
     recipe = load_recipe(best["recipe_path"])
     assert recipe.optimizer.lr == best["params"]["optimizer.lr"]
     assert recipe.shapes.max_len == 64  # the base recipe's other fields are kept
-    assert "method: gp" in capsys.readouterr().out
+    assert "method: tpe" in capsys.readouterr().out
 
 
 def test_tune_synthetic_resumes_by_study_name(tmp_path, capsys):

@@ -49,6 +49,14 @@ def test_method_choice_follows_the_search_space(method, space, expected):
     assert isinstance(choice.sampler, names[expected])
 
 
+def test_pruning_steers_bayesian_from_gp_to_tpe():
+    # GP learns from complete trials only and would propose a pruned point again.
+    for method in ("auto", "bayesian"):
+        choice = choose_method(method, _floats(2), 15, pruning=True)
+        assert choice.method == "tpe" and "prun" in choice.reason
+    assert choose_method("auto", _floats(2), 15, pruning=False).method == "gp"
+
+
 def test_auto_multi_objective_and_missing_scipy(monkeypatch):
     assert choose_method("auto", _floats(2), 20, n_objectives=2).method == "nsga2"
     monkeypatch.setattr(search, "_has", lambda m: m != "scipy")

@@ -87,7 +87,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     storage = open_storage(args.storage, run_dir, heartbeat_interval=args.heartbeat)
     warmup = args.prune_warmup if args.prune_warmup is not None else max(args.eval_every, args.steps // 2)
-    pruner = make_pruner(args.pruner, warmup_steps=0 if args.objective else warmup)
+    # Synthetic functions report no intermediate values: nothing to prune.
+    pruner = None if args.objective else make_pruner(args.pruner, warmup_steps=warmup)
 
     print(f"study {study_name!r} in {storage_url(args.storage, run_dir)}")
     print(f"minimising {what} over: " + "; ".join(p.describe() for p in space))
