@@ -14,8 +14,9 @@ def _engine(tiny, **kw):
     return ScoreEngine(tiny, cfg, expected_lengths=np.arange(2, 65))
 
 
-def test_batched_padded_scores_equal_one_unpadded_forward_each(tiny):
-    eng = _engine(tiny)
+@pytest.mark.parametrize("static", ["on", "off"])
+def test_batched_padded_scores_equal_one_unpadded_forward_each(tiny, static):
+    eng = _engine(tiny, static_shapes=static)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 258, rng.integers(2, 65)).tolist() for _ in range(13)]
 
@@ -28,7 +29,13 @@ def test_batched_padded_scores_equal_one_unpadded_forward_each(tiny):
 
     results = asyncio.run(run())
     assert eng.stats.batches < len(seqs)  # some requests shared a forward pass
-    assert eng.stats.padded_tokens > 0
+    real = sum(len(s) for s in seqs)
+    planned = sum(n * int(k.split("x")[0]) * int(k.split("x")[1]) for k, n in eng.stats.shapes_run.items())
+    if static == "on":  # every forward ran its planned shape
+        assert eng.stats.padded_tokens == planned - real > 0
+    else:  # each batch padded only to its own longest row and real size
+        assert eng.stats.padded_tokens < planned - real
+    assert eng.stats.real_tokens == real
     for s, r in zip(seqs, results):
         ref = score_reference(tiny, s)
         assert r["scored_tokens"] == len(s) - 1

@@ -1,4 +1,5 @@
-"""Schema-guided fuzzing of the HTTP endpoints with hypothesis: no input may produce a 5xx."""
+"""Schema-guided fuzzing of the HTTP endpoints with hypothesis: no input may produce a 500 (or
+crash the server). 503/504 are legitimate answers (e.g. `timeout_s: 1e-25` is answered 504)."""
 
 import json
 
@@ -65,7 +66,7 @@ def _client(tiny):
     )
 
 
-def test_fuzz_score_generate_and_raw_bodies_never_5xx(tiny):
+def test_fuzz_score_generate_and_raw_bodies_never_500(tiny):
     with _client(tiny) as client:
 
         @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -76,7 +77,8 @@ def test_fuzz_score_generate_and_raw_bodies_never_5xx(tiny):
                 path, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
             )
             CASES["n"] += 1
-            assert r.status_code < 500, (path, body, r.text)
+            assert r.status_code < 500 or r.status_code in (503, 504), (path, body, r.text)
+            assert r.status_code == 200 or "error" in r.json() or "detail" in r.json()
 
         @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
         @given(

@@ -94,22 +94,29 @@ def test_top_k_one_is_greedy_and_top_k_restricts_the_choice():
 
 
 def test_continuous_batching_lets_a_late_short_request_finish_first(tiny):
-    long = {"prompt": [256, 1, 2], "max_new_tokens": 40, "stop_at_eos": False}
+    long = {"prompt": [256, 1, 2], "max_new_tokens": 55, "stop_at_eos": False}
     short = {"prompt": [256, 3], "max_new_tokens": 2, "stop_at_eos": False}
     order = []
 
     async def main(policy):
         gen = Generator(tiny, GeneratorConfig(slots=2, policy=policy))
         await gen.start(warmup=False)
+        long_started = asyncio.Event()
 
-        async def run(name, req, delay):
-            await asyncio.sleep(delay)
-            stream = await gen.submit(**req)
+        async def run_long():
+            stream = await gen.submit(**long)
+            async for _ in stream:
+                long_started.set()  # the short request arrives while the long one is decoding
+            order.append((policy, "long"))
+
+        async def run_short():
+            await long_started.wait()
+            stream = await gen.submit(**short)
             async for _ in stream:
                 pass
-            order.append((policy, name))
+            order.append((policy, "short"))
 
-        await asyncio.gather(run("long", long, 0), run("short", short, 0.05))
+        await asyncio.gather(run_long(), run_short())
         await gen.drain(5)
 
     asyncio.run(main("continuous"))

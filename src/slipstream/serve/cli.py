@@ -76,6 +76,7 @@ def build_app_from_args(args: argparse.Namespace):
         default_timeout_s=args.timeout_ms / 1000,
         dtype=args.dtype,
         workers=args.workers,
+        static_shapes=args.static_shapes,
     )
     engine = ScoreEngine(loaded, cfg, expected_lengths=lengths)
     generator = None
@@ -246,6 +247,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--buckets", type=int, default=4, help="planned row lengths (the longest is max_len)")
     p.add_argument(
         "--workers", type=int, default=1, help="batches computed concurrently (CPU: pair with --threads)"
+    )
+    p.add_argument(
+        "--static-shapes",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="pad every batch to a planned shape (auto: on for CUDA, off on CPU where eager code gains nothing)",
     )
     p.add_argument("--max-queue", type=int, default=512, help="waiting requests at most; more get 503")
     p.add_argument(

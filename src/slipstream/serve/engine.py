@@ -58,6 +58,10 @@ class EngineConfig:
     """Compute dtype: bf16 runs under autocast."""
     warmup_reps: int = 3
     """Forward passes per shape at warm-up (the median of all but the first is the shape's latency)."""
+    static_shapes: Literal["auto", "on", "off"] = "auto"
+    """on: every forward runs a planned (batch, length) shape, as compiled code and CUDA graphs
+    need. off: a batch is padded only to its own longest row and real size (eager code gains
+    nothing from padding); the planned shapes remain the cost model. auto: on for CUDA, off on CPU."""
     workers: int = 1
     """Batches computed concurrently, each on its own thread (on CPUs: one per core group, with
     torch intra-op threads = cores / workers; on CUDA keep 1)."""
@@ -122,6 +126,8 @@ class ScoreEngine:
             max_batch_size=self.config.max_batch_size,
             max_batch_tokens=self.config.max_batch_tokens,
         )
+        static = self.config.static_shapes
+        self.static_shapes = static == "on" or (static == "auto" and self.device.type == "cuda")
         self.stats = EngineStats()
         self.ready = False
         self.draining = False
@@ -289,8 +295,10 @@ class ScoreEngine:
             b = self.plan.batch_for(len(batch) + 1, L)
             if b is None or not self._batching_pays(len(batch), b, L):
                 break
-            age = time.monotonic() - first.admitted
-            slack = cfg.latency_budget_s - age - self.plan.predict(b, L)
+            now = time.monotonic()
+            # Keep to the budget and to every batched request's own deadline.
+            room = min(cfg.latency_budget_s - (now - first.admitted), min(r.deadline for r in batch) - now)
+            slack = room - self.plan.predict(b, L)
             if slack <= self._gap_s:
                 break  # the next arrival is not expected in time to be worth the wait
             if not await self._wait_pending(timeout=min(slack, 2 * self._gap_s)):
@@ -304,6 +312,8 @@ class ScoreEngine:
         compute-bound CPU it costs b times as much (or more), and waiting only adds latency.
         """
         current = self.plan.batch_for(n, L) or n
+        if (b, L) not in self.plan.latency_s or (current, L) not in self.plan.latency_s:
+            return False  # unmeasured (no warm-up): do not wait on a guess
         return self.plan.predict(b, L) / (n + 1) < 0.9 * self.plan.predict(current, L) / n
 
     async def _batcher(self) -> None:
@@ -335,9 +345,11 @@ class ScoreEngine:
                 start = time.monotonic()
                 for r in reqs:
                     self.metrics.queue_seconds.observe(start - r.admitted)
+                # Eager code gains nothing from padding: run the batch at its own size and length.
+                rb, rL = (b, L) if self.static_shapes else (len(reqs), max(len(r.tokens) for r in reqs))
                 try:
                     out = await loop.run_in_executor(
-                        self._executor, self._timed_forward, [r.tokens for r in reqs], b, L
+                        self._executor, self._timed_forward, [r.tokens for r in reqs], rb, rL
                     )
                 except Exception as err:  # a failing batch fails only its own requests
                     self.stats.failed_batches += 1
@@ -351,24 +363,26 @@ class ScoreEngine:
                     self._inflight -= len(reqs)
                     self._inflight_tokens -= b * L
                 nll, seconds = out
-                self._record(reqs, b, L, seconds)
+                self._record(reqs, b, L, seconds * (b * L) / (rb * rL), rb * rL)
                 for r, row in zip(reqs, nll):
                     if not r.future.done():
                         r.future.set_result(_score_result(row, r.want_token_logprobs))
 
-    def _record(self, reqs: list[_Request], b: int, L: int, seconds: float) -> None:
+    def _record(self, reqs: list[_Request], b: int, L: int, seconds: float, computed: int) -> None:
+        """`seconds` is the planned shape's (measured, or scaled by tokens when the batch ran
+        smaller); `computed` the tokens actually run."""
         real = sum(len(r.tokens) for r in reqs)
         self.plan.observe(b, L, seconds)
         self.stats.batches += 1
         self.stats.requests += len(reqs)
         self.stats.real_tokens += real
-        self.stats.padded_tokens += b * L - real
+        self.stats.padded_tokens += computed - real
         key = f"{b}x{L}"
         self.stats.shapes_run[key] = self.stats.shapes_run.get(key, 0) + 1
         self.metrics.batch_size.observe(len(reqs))
         self.metrics.compute_seconds.observe(seconds)
         self.metrics.real_tokens.inc(real)
-        self.metrics.padded_tokens.inc(b * L - real)
+        self.metrics.padded_tokens.inc(computed - real)
 
     # -- compute (runs on the compute thread) -----------------------------------------------------
 
