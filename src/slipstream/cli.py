@@ -95,6 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         ("first step", f"{m.first_step_s:.2f} s"),
         ("data wait (total)", f"{m.data_wait_s:.2f} s"),
         ("distinct shapes", f"{m.distinct_shapes}"),
+        ("recompiles", f"{m.recompiles}"),
         ("peak memory", f"{m.peak_memory_bytes / 2**20:,.0f} MiB ({m.peak_memory_kind})"),
         ("device · precision", f"{m.device} · {m.precision}"),
     ]
@@ -180,8 +181,10 @@ def cmd_data(args: argparse.Namespace) -> int:
         cfg = ShapesConfig(mode=mode, max_len=args.max_len, tokens_per_batch=args.tokens_per_batch)
         loader = ShapedLoader(data.train, cfg, lengths=data.train_lengths, pad_id=data.pad_id)
         waste = loader.padding_waste()
+        shapes = len({p.shape for p in loader.plans()})
         out["padding_waste"][mode] = waste
-        print(f"  {mode:10} {waste:.3f}  ({len(loader)} batches)")
+        out.setdefault("distinct_shapes", {})[mode] = shapes
+        print(f"  {mode:10} {waste:.3f}  ({len(loader)} batches, {shapes} distinct shapes)")
     _write_json(args.json, out)
     return 0
 

@@ -27,7 +27,11 @@ def _bf16_matmul() -> str:
 
 def _fp16_supported() -> str:
     if not torch.cuda.is_available():
-        raise RuntimeError("fp16 training needs CUDA here (use bf16 on CPU)")
+        from .precision import cpu_supports_fp16
+
+        if not cpu_supports_fp16():
+            raise RuntimeError("this CPU has no fp16 matmuls; use bf16")
+        return "cpu: runs (with loss scaling), but slower than fp32 on most CPUs; prefer bf16"
     a = torch.randn(64, 64, device="cuda", dtype=torch.float16)
     (a @ a).float().sum().item()
     return "cuda"

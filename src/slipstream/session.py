@@ -153,17 +153,21 @@ class Session:
         self.model = model
         return model
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The recipe's optimizer over `model`, already prepared."""
+    def build_optimizer(self, model: nn.Module, total_steps: int | None = None) -> torch.optim.Optimizer:
+        """The recipe's optimizer over `model`, already prepared (schedule over `total_steps`)."""
         self.tracker.extra["optimizer_impl"] = resolve_optimizer_impl(self.recipe.optimizer, self.device)
-        return self.prepare_optimizer(build_optimizer(model, self.recipe.optimizer, self.device))
+        optimizer = build_optimizer(model, self.recipe.optimizer, self.device)
+        return self.prepare_optimizer(optimizer, total_steps)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        warmup = self.recipe.optimizer.warmup_steps
-        if warmup > 0:
-            self.schedulers[id(optimizer)] = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda step: min(1.0, (step + 1) / warmup)
-            )
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, total_steps: int | None = None
+    ) -> torch.optim.Optimizer:
+        """Attach the recipe's learning-rate schedule; decaying schedules need `total_steps`."""
+        cfg = self.recipe.optimizer
+        if cfg.warmup_steps > 0 or cfg.schedule != "constant":
+            from .tune.schedules import build_scheduler  # torch only, no Optuna
+
+            self.schedulers[id(optimizer)] = build_scheduler(optimizer, cfg, total_steps)
         return optimizer
 
     def prepare_loader(
@@ -206,6 +210,8 @@ class Session:
         self.tracker.extra["shape_policy"] = loader.policy.name
         self.tracker.extra["overflowed_sequences"] = loader.overflow.overflowed
         self.tracker.extra["truncated_tokens"] = loader.overflow.dropped_tokens
+        self.tracker.extra["overflow_policy"] = cfg.overflow
+        self.tracker.extra.update(loader.policy.describe())
         if flow.workers > 0:
             # Collating token ids is cheap; worker pools are for per-sample decode (prepare_samples).
             self.tracker.extra["dataflow_workers_unused"] = flow.workers

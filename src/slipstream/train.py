@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,12 +141,14 @@ def train(
     resume: bool = False,
     progress: bool = True,
     log_every: int = 10,
+    on_eval: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
     """Train a registered workload for `steps` optimizer steps under `recipe`.
 
     With `checkpoint_dir`, a checkpoint is written every `checkpoint_every` steps (and at the end,
     and on Ctrl-C); `resume=True` continues from it with identical data order, RNG and optimizer
-    state, so the per-step losses match an uninterrupted run.
+    state, so the per-step losses match an uninterrupted run. `on_eval(step, val_loss)` is called
+    after each validation (the tuner prunes trials from it; raising there stops the run).
     """
     if steps < 1:
         raise RecipeError(f"steps={steps} must be at least 1")
@@ -168,16 +171,19 @@ def train(
     session = Session(recipe)
     data = wl.load_data()
     model = session.prepare_model(wl.model(size, recipe.shapes.max_len))
-    optimizer = session.build_optimizer(model)
-    loader = session.prepare_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
-    val_loader = ShapedLoader(
-        data.validation,
-        loader.cfg,
-        seed=0,
-        device=session.device,
-        pad_id=data.pad_id,
-        lengths=data.validation_lengths,
-    )
+    optimizer = session.build_optimizer(model, total_steps=steps)
+    if wl.make_loaders is not None:  # workloads with their own data pipeline (e.g. decoded images)
+        loader, val_loader = wl.make_loaders(session, data)
+    else:
+        loader = session.prepare_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
+        val_loader = ShapedLoader(
+            data.validation,
+            loader.cfg,
+            seed=0,
+            device=session.device,
+            pad_id=data.pad_id,
+            lengths=data.validation_lengths,
+        )
 
     losses: list[float] = []
     val_losses: list[dict[str, float]] = []
@@ -246,6 +252,8 @@ def train(
                 bar.update(step, losses[-1], tokens_seen / (time.perf_counter() - t_start))
             if at_eval:
                 val_losses.append({"step": step, "loss": evaluate(model, val_loader, session, eval_batches)})
+                if on_eval is not None:
+                    on_eval(step, val_losses[-1]["loss"])
             if at_ckpt:
                 write_checkpoint()
             fault_point("step")
@@ -257,6 +265,9 @@ def train(
         raise
     finally:
         bar.close()
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()  # join prefetch threads and workers now, not at garbage collection
     write_checkpoint()
     result = TrainResult(
         workload=workload,

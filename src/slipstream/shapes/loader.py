@@ -219,7 +219,9 @@ class ShapedLoader:
             self._plans = self.plans()
         while self.position < len(self._plans):
             t0 = time.perf_counter()
-            batch = self.make_batch(self._plans[self.position])
+            # Named on the profiler timeline so `slipstream profile` can attribute data time.
+            with torch.profiler.record_function("slipstream.data"):
+                batch = self.make_batch(self._plans[self.position])
             self.position += 1
             if self._on_batch is not None:
                 self._on_batch(batch, time.perf_counter() - t0)
