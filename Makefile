@@ -27,7 +27,8 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/slipstream train --workload gpt-stdlib --size small --recipe baseline --steps 30 --json demo.json
+	$(VENV)/bin/slipstream bench --workload gpt-stdlib --size small --recipes demo --peers diy,accelerate,lightning \
+		--rounds 3 --json demo.json --report demo.html
 
 doctor: $(STAMP)
 	$(VENV)/bin/slipstream doctor

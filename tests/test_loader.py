@@ -118,3 +118,20 @@ def test_pack_refused_for_a_model_without_document_ids():
     session.prepare_model(torch.nn.Linear(2, 2))
     with pytest.raises(RecipeError, match="shapes.mode=pack needs a model whose forward takes document_ids"):
         session.prepare_loader(seqs([5, 9]))
+
+
+def test_peak_memory_is_this_process_not_an_inherited_high_water_mark():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from slipstream.metrics import peak_memory;print(peak_memory(torch.device('cpu'))[0])"
+    )
+    # A parent that touched 1.5 GiB: Linux carries ru_maxrss across exec, VmHWM does not.
+    parent = (
+        "import subprocess, sys; n = 1536 * 2**20; b = bytearray(n); b[::4096] = bytes(len(range(0, n, 4096)));"
+        "b[::4096] = b'1' * len(range(0, n, 4096));"
+        f"print(subprocess.check_output([sys.executable, '-c', {code!r}]).decode())"
+    )
+    child_peak = int(subprocess.check_output([sys.executable, "-c", parent]).decode().strip())
+    assert child_peak < 1024 * 2**20

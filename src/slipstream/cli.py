@@ -117,6 +117,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     if recipes == ["demo"]:
         recipes = demo_recipes()
+    if args.set:  # the same overrides for every recipe (and so for the peers, via the reference)
+        recipes = [r + "".join(f"+{a}" for a in args.set) for r in recipes]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
     console = Console(stderr=True)
     with console.status("benchmarking") as status:
@@ -266,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipes", default="baseline", help="comma-separated specs, or `demo`; the first is the reference"
     )
     p.add_argument("--peers", default="", help="comma-separated: diy, accelerate, lightning")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a field in every recipe")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     p.add_argument(
         "--round-tokens", type=int, help="real tokens per contender per round (default: 2 batches' budget)"

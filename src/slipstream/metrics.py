@@ -56,6 +56,15 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     """Peak bytes: allocator peak on CUDA, process peak RSS on CPU (which includes everything)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    # Linux keeps ru_maxrss across execve, so a child started by a big parent would report the
+    # parent's peak; VmHWM belongs to this process image alone.
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "process_peak_rss"
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
 

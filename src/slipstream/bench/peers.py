@@ -12,6 +12,7 @@ the report says why instead of failing the whole benchmark.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 from dataclasses import replace
 from typing import Any
@@ -223,7 +224,14 @@ class LightningPeer(_PeerBase):
             callbacks=[self.callback],
         )
         loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
-        trainer.fit(self.module, loader)
+        # Lightning announces devices and tips on every fit; keep the benchmark's output readable.
+        log = logging.getLogger("lightning.pytorch")
+        level = log.level
+        log.setLevel(logging.WARNING)
+        try:
+            trainer.fit(self.module, loader)
+        finally:
+            log.setLevel(level)
         _sync(self.device)
         seconds = time.perf_counter() - (self._t0 or time.perf_counter())
         return RoundStats(
