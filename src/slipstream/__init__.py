@@ -4,6 +4,7 @@ Public API: Recipe (and its sections), presets, Session, train. Importing has no
 """
 
 from .presets import PRESETS, get_preset, resolve_recipe
+from .profile.capture import mark_step
 from .recipe import (
     CompileConfig,
     KernelsConfig,
@@ -16,7 +17,6 @@ from .recipe import (
     load_recipe,
     save_recipe,
 )
-from .profile.capture import mark_step
 from .session import Session
 from .train import TrainResult, train
 
