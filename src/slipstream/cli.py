@@ -268,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipes", default="baseline", help="comma-separated specs, or `demo`; the first is the reference"
     )
     p.add_argument("--peers", default="", help="comma-separated: diy, accelerate, lightning")
-    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a field in every recipe")
+    p.add_argument(
+        "--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a field in every recipe"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     p.add_argument(
         "--round-tokens", type=int, help="real tokens per contender per round (default: 2 batches' budget)"

@@ -98,4 +98,6 @@ def full() -> Recipe:
 
     torch.compile is left off: on a 2-core CPU it measured within noise of eager for this model
     (3.84x vs 3.67x baseline, `slipstream bench`) while costing 14-24 s of compile per run."""
-    return replace(pack(), name="full", precision=PrecisionConfig(dtype="bf16"), kernels=KernelsConfig(ops="auto"))
+    return replace(
+        pack(), name="full", precision=PrecisionConfig(dtype="bf16"), kernels=KernelsConfig(ops="auto")
+    )
