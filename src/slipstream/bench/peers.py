@@ -22,7 +22,7 @@ import torch
 from ..recipe import Recipe
 from ..shapes.loader import ShapedLoader
 from ..train import evaluate
-from .runner import Contender, RoundStats, _sync
+from .runner import Contender, LoopContender, RoundStats, _sync
 
 
 class PeerUnavailable(RuntimeError):
@@ -70,34 +70,11 @@ class _PeerBase(Contender):
     def validation_loss(self) -> float:
         return evaluate(self.model, self.val_loader, self.helper, self.val_batches)
 
-    def _train_step(self, batch) -> torch.Tensor:
-        """One optimizer step the peer's way; returns the loss."""
-        raise NotImplementedError
-
-    def run_round(self, real_token_budget: int | None, max_steps: int | None = None) -> RoundStats:
-        real = padded = steps = 0
-        losses = []
-        _sync(self.device)
-        t0 = time.perf_counter()
-        while (real_token_budget is None or real < real_token_budget) and (
-            max_steps is None or steps < max_steps
-        ):
-            batch = next(self.batches)
-            self.shapes_seen.add(batch.shape)
-            losses.append(self._train_step(batch).detach())
-            real += batch.real_tokens
-            padded += batch.padded_tokens
-            steps += 1
-        _sync(self.device)
-        return RoundStats(
-            time.perf_counter() - t0, real, padded, steps, 0.0, torch.stack(losses).float().tolist()
-        )
-
     def info(self) -> dict[str, Any]:
         return {"distinct_shapes": len(self.shapes_seen)}
 
 
-class DIYPeer(_PeerBase):
+class DIYPeer(_PeerBase, LoopContender):
     """Hand-written loop: pad to batch max, bf16 autocast, torch.compile, clip, AdamW."""
 
     name = "diy"
@@ -107,7 +84,7 @@ class DIYPeer(_PeerBase):
         self.optimizer = self._optimizer()
         self.step_fn = torch.compile(self.model)
 
-    def _train_step(self, batch) -> torch.Tensor:
+    def train_step(self, batch) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             loss = self.step_fn(**batch)
         loss.backward()
@@ -117,7 +94,7 @@ class DIYPeer(_PeerBase):
         return loss
 
 
-class AcceleratePeer(_PeerBase):
+class AcceleratePeer(_PeerBase, LoopContender):
     name = "accelerate"
 
     def __init__(self, *args):
@@ -129,7 +106,7 @@ class AcceleratePeer(_PeerBase):
         self.accelerator = Accelerator(mixed_precision="bf16", cpu=self.device.type == "cpu")
         self.model, self.optimizer = self.accelerator.prepare(self.model, self._optimizer())
 
-    def _train_step(self, batch) -> torch.Tensor:
+    def train_step(self, batch) -> torch.Tensor:
         loss = self.model(**batch)
         self.accelerator.backward(loss)
         self.accelerator.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip)

@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from ..metrics import _unique_graphs
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
 from ..session import Session
-from ..shapes.loader import ShapedLoader
+from ..shapes.loader import Batch, ShapedLoader
 from ..train import evaluate
 from ..workloads import get_workload
 
@@ -98,21 +99,67 @@ class BenchResult:
         return json.loads(json.dumps(asdict(self)))
 
 
-class Contender:
+class Contender(ABC):
     """One thing being measured. Subclasses own their model, optimizer and data."""
 
     name: str
     kind = "recipe"
     precision = "fp32"
 
+    @abstractmethod
     def run_round(self, real_token_budget: int | None, max_steps: int | None = None) -> RoundStats:
-        raise NotImplementedError
+        """Train until `real_token_budget` real tokens (or `max_steps` steps) are consumed."""
 
+    @abstractmethod
     def validation_loss(self) -> float:
-        raise NotImplementedError
+        """Token-weighted validation loss on the batches shared by every contender."""
 
     def info(self) -> dict[str, Any]:
         return {}
+
+
+class LoopContender(Contender):
+    """A contender whose loop we drive: one `train_step` per batch from `self.batches`."""
+
+    batches: Iterator[Batch]
+    device: torch.device
+    shapes_seen: set[tuple[int, int]]
+
+    @abstractmethod
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        """One optimizer step on `batch`; returns the loss (left on the device)."""
+
+    def data_wait_since(self, mark: int) -> float:
+        """Seconds spent waiting for data since `round_mark()` returned `mark`."""
+        return 0.0
+
+    def round_mark(self) -> int:
+        return 0
+
+    def run_round(self, real_token_budget: int | None, max_steps: int | None = None) -> RoundStats:
+        real = padded = steps = 0
+        losses: list[torch.Tensor] = []  # kept on the device until the round ends: no sync per step
+        mark = self.round_mark()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        while (real_token_budget is None or real < real_token_budget) and (
+            max_steps is None or steps < max_steps
+        ):
+            batch = next(self.batches)
+            self.shapes_seen.add(batch.shape)
+            losses.append(self.train_step(batch).detach())
+            real += batch.real_tokens
+            padded += batch.padded_tokens
+            steps += 1
+        _sync(self.device)
+        return RoundStats(
+            seconds=time.perf_counter() - t0,
+            real_tokens=real,
+            padded_tokens=padded,
+            steps=steps,
+            data_wait_s=self.data_wait_since(mark),
+            losses=torch.stack(losses).float().tolist() if losses else [],
+        )
 
 
 def _sync(device: torch.device) -> None:
@@ -120,7 +167,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class RecipeContender(Contender):
+class RecipeContender(LoopContender):
     """A recipe run through Session: the way a slipstream user trains."""
 
     def __init__(self, spec: str, workload: str, size: str, data, val_batches: int, reference: Recipe):
@@ -143,36 +190,20 @@ class RecipeContender(Contender):
         )
         self.val_batches = val_batches
         self.device = self.session.device
+        self.shapes_seen = set()
 
-    def run_round(self, real_token_budget: int | None, max_steps: int | None = None) -> RoundStats:
-        real = padded = steps = 0
-        pending: list[torch.Tensor] = []
-        start_records = len(self.session.tracker.records)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        while (real_token_budget is None or real < real_token_budget) and (
-            max_steps is None or steps < max_steps
-        ):
-            batch = next(self.batches)
-            with self.session.autocast():
-                loss = self.model(**batch)
-            self.session.backward(loss)
-            self.session.step(self.optimizer)
-            pending.append(loss.detach())
-            real += batch.real_tokens
-            padded += batch.padded_tokens
-            steps += 1
-        _sync(self.device)
-        seconds = time.perf_counter() - t0
-        recs = self.session.tracker.records[start_records:]
-        return RoundStats(
-            seconds=seconds,
-            real_tokens=real,
-            padded_tokens=padded,
-            steps=steps,
-            data_wait_s=sum(r.data_wait_s for r in recs),
-            losses=torch.stack(pending).float().tolist() if pending else [],
-        )
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        with self.session.autocast():
+            loss = self.model(**batch)
+        self.session.backward(loss)
+        self.session.step(self.optimizer)
+        return loss
+
+    def round_mark(self) -> int:
+        return len(self.session.tracker.records)
+
+    def data_wait_since(self, mark: int) -> float:
+        return sum(r.data_wait_s for r in self.session.tracker.records[mark:])
 
     def validation_loss(self) -> float:
         return evaluate(self.model, self.val_loader, self.session, self.val_batches)
