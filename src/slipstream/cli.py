@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from .presets import resolve_recipe
+from .recipe import write_json
 
 EXAMPLES = {
     "train": """examples:
@@ -36,21 +38,15 @@ EXAMPLES = {
 }
 
 
-def _write_json(path: str | None, payload: dict[str, Any]) -> None:
-    if not path:
-        return
-    from .recipe import atomic_write_text
-
-    atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
-
-
-def _recipe_from_args(args: argparse.Namespace):
-    from .presets import resolve_recipe
-
-    recipe = resolve_recipe(args.recipe)
-    if args.set:
-        recipe = recipe.override(*args.set)
-    return recipe
+def add_command(subparsers, name: str, help_: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows its description and examples verbatim."""
+    return subparsers.add_parser(
+        name,
+        help=help_,
+        description=help_,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -59,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .train import train
 
-    recipe = _recipe_from_args(args)
+    recipe = resolve_recipe(args.recipe, args.set)
     result = train(
         args.workload,
         recipe,
@@ -73,7 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     payload = result.to_dict()
-    _write_json(args.json, payload)
+    write_json(args.json, payload)
     m = result.metrics
     table = Table(
         title=f"{result.workload} ({result.size}, {result.parameters:,} params) · recipe {recipe.name}"
@@ -136,7 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             progress=lambda msg: status.update(f"benchmarking: {msg}"),
         )
     payload = result.to_dict()
-    _write_json(args.json, payload)
+    write_json(args.json, payload)
     print_table(payload)
     if args.report:
         path = write_html(payload, Path(args.report))
@@ -150,7 +146,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import diagnose
 
     report = diagnose(check_compile=not args.no_compile)
-    _write_json(args.json, report)
+    write_json(args.json, report)
     for k, v in report.items():
         if k != "checks":
             print(f"{k:18} {v}")
@@ -187,7 +183,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         out["padding_waste"][mode] = waste
         out.setdefault("distinct_shapes", {})[mode] = shapes
         print(f"  {mode:10} {waste:.3f}  ({len(loader)} batches, {shapes} distinct shapes)")
-    _write_json(args.json, out)
+    write_json(args.json, out)
     return 0
 
 
@@ -210,7 +206,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
             print(f"{name:12} {(fn.__doc__ or '').strip()}")
         return 0
     args.recipe = args.spec
-    recipe = _recipe_from_args(args)
+    recipe = resolve_recipe(args.recipe, args.set)
     if args.save:
         print(f"wrote {save_recipe(recipe, args.save)}")
     else:
@@ -230,13 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        return sub.add_parser(
-            name,
-            help=help_,
-            description=help_,
-            epilog=EXAMPLES[name],
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+        return add_command(sub, name, help_, EXAMPLES[name])
 
     p = add("train", "train a built-in workload under a recipe and report its metrics")
     p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")

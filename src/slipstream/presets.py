@@ -6,7 +6,7 @@ overrides (`baseline+precision.dtype=bf16+shapes.max_len=512`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,8 +78,11 @@ def get_preset(name: str) -> Recipe:
     return PRESETS[name]()
 
 
-def resolve_recipe(spec: str | Recipe) -> Recipe:
-    """Turn a preset name, recipe file, or `base+section.field=value+...` into a Recipe."""
+def resolve_recipe(spec: str | Recipe, overrides: Sequence[str] | None = None) -> Recipe:
+    """Turn a preset name, recipe file, or `base+section.field=value+...` into a Recipe, then apply
+    `overrides` (`section.field=value` strings, as given to `--set`)."""
+    if overrides:
+        return resolve_recipe(spec).override(*overrides)
     if isinstance(spec, Recipe):
         return spec
     base, *overrides = spec.split("+")

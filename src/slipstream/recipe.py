@@ -394,6 +394,12 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def write_json(path: str | os.PathLike[str] | None, payload: Any) -> None:
+    """Write `payload` as indented JSON atomically; no-op when `path` is empty (no --json given)."""
+    if path:
+        atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
+
+
 def _parse_assignment(assignment: str) -> tuple[list[str], Any]:
     if "=" not in assignment:
         raise RecipeError(f"override {assignment!r} must look like section.field=value")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import add_command
+
 DESCRIPTION = (
     "profile a few training steps (the built-in loop, or your script after `--`) and report where the "
     "step's time goes, at which line, and the fix"
@@ -77,9 +79,7 @@ def handler(args: argparse.Namespace) -> int:
     if command:
         cap = capture_script(command, config=cfg)
     else:
-        recipe = resolve_recipe(args.recipe)
-        if args.set:
-            recipe = recipe.override(*args.set)
+        recipe = resolve_recipe(args.recipe, args.set)
         cap = capture_workload(args.workload, recipe, size=args.size, config=cfg)
     result = analyze(cap)
     render(result)
@@ -90,13 +90,7 @@ def handler(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `profile` on the top-level CLI's subparsers."""
-    p = subparsers.add_parser(
-        "profile",
-        help=DESCRIPTION,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(subparsers, "profile", DESCRIPTION, EPILOG)
     add_arguments(p)
     p.set_defaults(fn=handler)
 

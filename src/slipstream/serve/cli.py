@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import os
 import sys
-from pathlib import Path
+
+from ..cli import add_command
+from ..recipe import write_json
 
 EXAMPLES = {
     "serve": """examples:
@@ -31,16 +33,6 @@ EXAMPLES = {
   slipstream quantize-eval --size small --modes none,bf16,int8-weight-only,int8-dynamic --docs 100
 """,
 }
-
-
-def _write_json(path: str | None, payload: dict) -> None:
-    if not path:
-        return
-    import json
-
-    from ..recipe import atomic_write_text
-
-    atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
 
 
 def build_app_from_args(args: argparse.Namespace):
@@ -121,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "shapes_run": stats.shapes_run,
         "shape_latency_s": {f"{b}x{L}": t for (b, L), t in engine.plan.latency_s.items()},
     }
-    _write_json(args.json, summary)
+    write_json(args.json, summary)
     print(f"slipstream serve: drained; {stats.requests} requests in {stats.batches} batches", file=sys.stderr)
     return rc
 
@@ -176,7 +168,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             f"p50 {ms(res.p50_s)}, p90 {ms(res.p90_s)}, p99 {ms(res.p99_s)}, errors {res.errors_by_status}"
             + (f", ttft p99 {ms(res.ttft_p99_s)}" if res.ttft_p99_s is not None else "")
         )
-    _write_json(args.json, out)
+    write_json(args.json, out)
     return 0
 
 
@@ -202,7 +194,7 @@ def cmd_quantize_eval(args: argparse.Namespace) -> int:
         print(
             f"{row['mode']:>17}: val loss {row['validation_loss_nats']:.4f} (delta {row['loss_delta_vs_fp32_nats']:+.4f}), {lat}"
         )
-    _write_json(args.json, res)
+    write_json(args.json, res)
     return 0
 
 
@@ -219,13 +211,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> None:
     def new(name: str, help_: str) -> argparse.ArgumentParser:
-        return subparsers.add_parser(
-            name,
-            help=help_,
-            description=help_,
-            epilog=EXAMPLES[name],
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+        return add_command(subparsers, name, help_, EXAMPLES[name])
 
     p = new("serve", "serve a model over HTTP with dynamic batching into planned static shapes")
     _model_args(p)

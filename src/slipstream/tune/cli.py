@@ -7,12 +7,13 @@ runs them on their own.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from ..recipe import RecipeError
+from ..cli import add_command
+from ..presets import resolve_recipe
+from ..recipe import RecipeError, write_json
 
 TUNE_EXAMPLES = """examples:
   slipstream tune --workload gpt-stdlib --size tiny --param lr=1e-4:1e-2:log --trials 20 --method auto --json out.json
@@ -28,21 +29,6 @@ LR_FIND_EXAMPLES = """examples:
   slipstream lr-find --workload gpt-stdlib --size tiny --plot lr.png
   slipstream lr-find --recipe baseline --set shapes.max_len=256 --start-lr 1e-6 --end-lr 1 --steps 100 --json lr.json
 """
-
-
-def _recipe(args: argparse.Namespace) -> Any:
-    from ..presets import resolve_recipe
-
-    recipe = resolve_recipe(args.recipe)
-    return recipe.override(*args.set) if args.set else recipe
-
-
-def _write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
-    if not path:
-        return
-    from ..recipe import atomic_write_text
-
-    atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
 
 
 def _fmt(value: Any) -> str:
@@ -71,7 +57,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise RecipeError("give at least one --param NAME=LOW:HIGH[:log] (e.g. --param lr=1e-4:1e-2:log)")
         if args.steps < 1 or args.eval_every < 1:
             raise RecipeError("--steps and --eval-every must be at least 1")
-        recipe = _recipe(args)
+        recipe = resolve_recipe(args.recipe, args.set)
         space = [parse_param(p) for p in args.param]
         if len({p.name for p in space}) != len(space):
             raise RecipeError("each --param may appear once")
@@ -132,8 +118,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         tuned = apply_params(recipe, best["params"], name=f"{study_name}-best")
         best["recipe_path"] = str(save_recipe(tuned, run_dir / "best.toml"))
     summary["plots"] = [] if args.no_plots else _plots(study, run_dir)
-    _write_json(run_dir / "result.json", summary)
-    _write_json(args.json, summary)
+    write_json(run_dir / "result.json", summary)
+    write_json(args.json, summary)
     states = ", ".join(f"{n} {s.lower()}" for s, n in summary["states"].items() if n)
     print(f"{len(summary['trials'])} trials ({states})")
     if best is None:
@@ -168,7 +154,7 @@ def _plots(study: Any, run_dir: Path) -> list[str]:
 def cmd_lr_find(args: argparse.Namespace) -> int:
     from .lr_finder import lr_find_workload, plot_lr_find
 
-    recipe = _recipe(args)
+    recipe = resolve_recipe(args.recipe, args.set)
     result = lr_find_workload(
         args.workload,
         recipe,
@@ -180,7 +166,7 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     payload = {"workload": args.workload, "size": args.size, "recipe": recipe.to_dict(), **result.to_dict()}
     if args.plot:
         payload["plot"] = str(plot_lr_find(result, args.plot))
-    _write_json(args.json, payload)
+    write_json(args.json, payload)
     print(
         f"swept {len(result.lrs)} steps from {result.lrs[0]:.2e} to {result.lrs[-1]:.2e} ({result.stop_reason})"
     )
@@ -202,13 +188,7 @@ def add_parser(subparsers: Any) -> None:
     from .search import METHODS, PRUNERS
 
     def add(name: str, help_: str, epilog: str) -> argparse.ArgumentParser:
-        return subparsers.add_parser(
-            name,
-            help=help_,
-            description=help_,
-            epilog=epilog,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+        return add_command(subparsers, name, help_, epilog)
 
     p = add(
         "tune",
