@@ -26,10 +26,6 @@ whole step (measured: several times slower), which is why the split is the right
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -39,24 +35,9 @@ import torch
 
 
 def machine() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "load_average_1m_at_start": os.getloadavg()[0],
-    }
+    from slipstream.doctor import machine_info
+
+    return machine_info()
 
 
 def _step(model, opt, batch, sleep_s: float = 0.0) -> None:
@@ -211,10 +192,9 @@ def main() -> None:
             "command": vars(args) | {"out": str(args.out)},
         }
         result["result"] = res
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.out)
+        from slipstream.recipe import write_json
+
+        write_json(args.out, result)
         print(f"wrote {args.out}")
 
 

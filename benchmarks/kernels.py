@@ -12,10 +12,8 @@ median and p20/p80. Results go to benchmarks/results/kernels-<device>-<date>.jso
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -34,16 +32,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict:
-    info = {
-        "host": platform.node(),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": dt.date.today().isoformat(),
-    }
+    from slipstream.doctor import machine_info
+
+    info = machine_info()
     if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name()
         try:
             import triton
 
@@ -51,27 +43,17 @@ def machine() -> dict:
         except ImportError:
             info["triton"] = None
     else:
-        info["device"] = "cpu"
+        info["device"] = "cpu"  # the result file name uses cpu-<host>
     return info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def write_result(payload: dict, device_label: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", device_label.lower()).strip("-")
     path = RESULTS / f"kernels-{slug}-{payload['machine']['date']}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)  # never a half-written results file
+    from slipstream.recipe import write_json
+
+    write_json(path, payload)  # atomic: never a half-written results file
     return path
 
 

@@ -16,10 +16,7 @@ gap between two fp32 runs that differ only in seed, which is what the default to
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,24 +28,9 @@ import torch
 
 
 def machine() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "load_average_1m_at_start": os.getloadavg()[0],
-    }
+    from slipstream.doctor import machine_info
+
+    return machine_info()
 
 
 def _recipe(dtype: str, overrides: list[str], seed: int = 0):
@@ -212,10 +194,9 @@ def main() -> None:
                 f"{mem[f'{dt}_ac_peak_memory_bytes'] / 2**20:.0f} MiB, step time x{mem[f'{dt}_ac_step_time_ratio']:.2f}"
             )
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(args.out)
+        from slipstream.recipe import write_json
+
+        write_json(args.out, result)
         print(f"wrote {args.out}")
 
 

@@ -19,11 +19,7 @@ fused AdamW; about a millisecond of pure op dispatch per step).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -37,16 +33,9 @@ SKIP_CYCLES = 2
 
 
 def machine() -> dict[str, object]:
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "processor": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "load_average_1min": os.getloadavg()[0],
-        "date": datetime.date.today().isoformat(),
-    }
+    from slipstream.doctor import machine_info
+
+    return machine_info()
 
 
 def gpt_step() -> Callable[[], None]:
@@ -163,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     if args.out:
-        from slipstream.recipe import atomic_write_text
+        from slipstream.recipe import write_json
 
-        atomic_write_text(Path(args.out), json.dumps(doc, indent=2) + "\n")
+        write_json(args.out, doc)
         print(f"wrote {args.out}")
     return 0
 

@@ -342,9 +342,9 @@ def compare(args) -> int:
             if stats.exists():
                 result["slipstream_batching"] = json.loads(stats.read_text())
         if args.json:
-            from slipstream.recipe import atomic_write_text
+            from slipstream.recipe import write_json
 
-            atomic_write_text(Path(args.json), json.dumps(result, indent=2, default=str) + "\n")
+            write_json(args.json, result)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -466,9 +466,9 @@ def generation(args) -> int:
         )
     )
     if args.json:
-        from slipstream.recipe import atomic_write_text
+        from slipstream.recipe import write_json
 
-        atomic_write_text(Path(args.json), json.dumps(result, indent=2, default=str) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -14,14 +14,10 @@ Each --recompiles run is a fresh subprocess, so dynamo's caches and counters sta
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,15 +26,9 @@ MAX_LEN = 1024
 
 
 def machine() -> dict[str, object]:
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "processor": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "date": datetime.date.today().isoformat(),
-    }
+    from slipstream.doctor import machine_info
+
+    return machine_info()
 
 
 def corpus():
@@ -260,9 +250,9 @@ def main() -> int:
         print(f"throughput, fp32 eager, {args.size}, interleaved rounds:")
         result["throughput"] = throughput(args.rounds, args.steps_per_round, args.size)
     if args.out:
-        from slipstream.recipe import atomic_write_text
+        from slipstream.recipe import write_json
 
-        atomic_write_text(Path(args.out), json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

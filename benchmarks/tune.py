@@ -16,8 +16,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 
-from slipstream.recipe import atomic_write_text
+from slipstream.recipe import write_json
 from slipstream.tune.fibonacci import FibonacciSampler, fibonacci_numbers
 from slipstream.tune.objectives import SYNTHETIC, lr_valley
 from slipstream.tune.search import choose_method
@@ -37,30 +35,14 @@ TAG = "cpu-2core"
 
 
 def machine() -> dict:
-    import torch
+    from slipstream.doctor import machine_info
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "load_avg_1m_at_start": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "optuna": optuna.__version__,
-        "date": dt.date.today().isoformat(),
-    }
+    return {**machine_info(), "optuna": optuna.__version__}
 
 
 def _write(name: str, payload: dict) -> Path:
     path = RESULTS / f"tune-{name}-{TAG}-{dt.date.today().isoformat()}.json"
-    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
+    write_json(path, payload)
     print(f"wrote {path}")
     return path
 

@@ -54,8 +54,20 @@ def _triton() -> str:
     return f"triton {triton.__version__} ({where})"
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name where the OS tells it (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
-    """What a benchmark result must carry to be comparable: device, versions, date."""
+    """What a benchmark result must carry to be comparable: device, versions, date, load."""
     import datetime
     import os
 
@@ -64,12 +76,16 @@ def machine_info() -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0)
         if cuda
         else f"cpu ({platform.processor() or platform.machine()})",
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "host": platform.node(),
         "date": datetime.date.today().isoformat(),
+        # Other jobs on the machine skew timings; results record how busy it was at the start.
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
