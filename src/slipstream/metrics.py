@@ -109,7 +109,7 @@ class MetricsTracker:
             )
         )
         if len(self.records) == 1:
-            self._graphs_after_first_step = _unique_graphs()
+            self._graphs_after_first_step = dynamo_graph_count()
         self._last_step_end = now
         self._step_start = None
         self._pending_wait = 0.0
@@ -137,7 +137,7 @@ class MetricsTracker:
             data_wait_s=float(sum(r.data_wait_s for r in recs)),
             distinct_shapes=len({r.shape for r in recs if r.shape is not None}),
             # Graphs dynamo compiled after the first step: each one is a recompilation for a new shape.
-            recompiles=max(0, _unique_graphs() - self._graphs_after_first_step) if len(recs) > 1 else 0,
+            recompiles=max(0, dynamo_graph_count() - self._graphs_after_first_step) if len(recs) > 1 else 0,
             skipped_steps=self.skipped_steps,
             peak_memory_bytes=mem,
             peak_memory_kind=kind,
@@ -147,7 +147,8 @@ class MetricsTracker:
         )
 
 
-def _unique_graphs() -> int:
+def dynamo_graph_count() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's own counter)."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:  # pragma: no cover

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,6 +23,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+_UNION_ORIGINS = (Union, types.UnionType)  # Optional[X] and X | Y
 
 
 class RecipeError(ValueError):
@@ -221,7 +225,7 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
                 f"{path}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
             )
         return value
-    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+    if origin in _UNION_ORIGINS:
         errors = []
         for option in get_args(tp):
             try:
@@ -450,7 +454,7 @@ def describe_fields() -> list[tuple[str, str, Any, str]]:
 def _type_name(tp: Any) -> str:
     if _is_literal(tp):
         return " | ".join(map(str, get_args(tp)))
-    if get_origin(tp) in (Union, getattr(__import__("types"), "UnionType", Union)):
+    if get_origin(tp) in _UNION_ORIGINS:
         return " | ".join(_type_name(a) for a in get_args(tp))
     if get_origin(tp) is tuple:
         return "list"

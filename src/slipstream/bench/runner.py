@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..metrics import _unique_graphs
+from ..metrics import dynamo_graph_count
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
 from ..session import Session
@@ -313,9 +313,9 @@ def run_bench(
     recompiles: dict[str, int] = {c.name: 0 for c in contenders}
 
     def counted_round(c: Contender, budget: int | None, max_steps: int | None = None) -> RoundStats:
-        before = _unique_graphs()
+        before = dynamo_graph_count()
         stats = c.run_round(budget, max_steps=max_steps)
-        recompiles[c.name] += _unique_graphs() - before
+        recompiles[c.name] += dynamo_graph_count() - before
         return stats
 
     for c in contenders:
