@@ -178,15 +178,21 @@ def test_drain_finishes_queued_work_then_refuses(tiny):
     assert done and all(isinstance(r, dict) for r in res) and status == 503
 
 
-@pytest.mark.parametrize(("cost", "expect_batched"), [("flat", True), ("linear", False)])
-def test_batch_window_waits_only_when_batching_is_measured_to_pay(tiny, cost, expect_batched):
+@pytest.mark.parametrize(
+    ("cost", "gap_s", "expect_batched"),
+    [("flat", 0.05, True), ("linear", 0.05, False), ("flat", 1.0, False)],
+    ids=["gpu-like-busy", "cpu-like-busy", "gpu-like-idle"],
+)
+def test_batch_window_waits_only_when_batching_is_measured_to_pay(tiny, cost, gap_s, expect_batched):
+    """Waits for a batch-mate only when a bigger batch is measured cheaper per request and the
+    load is high enough (one request's cost / gap >= 0.5) for the throughput to matter."""
     eng = _engine(tiny, latency_budget_s=2.0)
 
     async def run():
         await eng.start(warmup=False)
         for b, L in eng.plan.shapes:  # flat: a GPU-like forward; linear: a compute-bound CPU
-            eng.plan.latency_s[(b, L)] = 0.01 if cost == "flat" else 0.01 * b
-        eng._gap_s = 0.05  # arrivals expected every 50 ms
+            eng.plan.latency_s[(b, L)] = 0.04 if cost == "flat" else 0.04 * b
+        eng._gap_s = gap_s  # the measured mean gap between arrivals
         first = asyncio.create_task(eng.score([1, 2, 3]))
         await asyncio.sleep(0.04)  # within the window (2 expected gaps)
         second = asyncio.create_task(eng.score([1, 2, 3, 4]))
@@ -197,3 +203,41 @@ def test_batch_window_waits_only_when_batching_is_measured_to_pay(tiny, cost, ex
     assert (eng.stats.batches == 1) is expect_batched
     if not expect_batched:
         assert eng.stats.batches == 2
+
+
+def test_compiled_engine_scores_like_eager_and_compiles_nothing_after_warmup(tiny):
+    """The compiled forward (frozen weights, one shape-generic graph) gives the eager scores, and
+    serving varied lengths after warm-up builds no new graph: every shape it runs was warmed."""
+    from slipstream.metrics import dynamo_graph_count
+
+    eng = _engine(tiny, compile=True)
+    assert eng.static_shapes  # auto: compiled code only ever sees planned shapes
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 258, rng.integers(2, 65)).tolist() for _ in range(11)]
+    lines = []
+
+    async def run():
+        await eng.start(progress=lines.append)
+        warmed = dynamo_graph_count()
+        try:
+            alone = [await eng.score(s, token_logprobs=True) for s in seqs[:2]]  # batch of one
+            out = await asyncio.gather(*[eng.score(s, token_logprobs=True) for s in seqs[2:]])
+        finally:
+            await eng.drain(5)
+        return warmed, alone + out
+
+    warmed, results = asyncio.run(run())
+    assert warmed >= 1
+    assert dynamo_graph_count() == warmed
+    assert len(lines) == len(eng.plan.shapes) and "warm-up 1/" in lines[0]
+    assert len(eng.stats.shapes_run) >= 2
+    for s, r in zip(seqs, results):
+        ref = score_reference(tiny, s)
+        np.testing.assert_allclose(r["token_logprobs"], ref["token_logprobs"], atol=1e-4)
+
+
+def test_compile_with_unpadded_shapes_is_refused(tiny):
+    from slipstream.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="static_shapes"):
+        _engine(tiny, compile=True, static_shapes="off")

@@ -140,3 +140,33 @@ def test_generation_refuses_bad_requests(tiny):
         return statuses
 
     assert asyncio.run(main()) == [422, 422, 413]
+
+
+def test_a_request_predicted_to_miss_its_deadline_is_refused_at_once(tiny):
+    """With the one slot busy for ~40 more decode steps, a request whose deadline is shorter than
+    the predicted wait gets 503 + Retry-After on submit instead of a 504 after waiting; one with
+    room is admitted and served."""
+    from slipstream.serve.engine import ServeError
+
+    gen = Generator(tiny, GeneratorConfig(slots=1))
+
+    async def main():
+        await gen.start(warmup=False)
+        try:
+            long = await gen.submit([1, 2, 3], max_new_tokens=48, stop_at_eos=False)
+            first = [await long.__anext__() for _ in range(4)]  # steps measured by now
+            step = gen._step_s
+            assert step is not None and gen.predicted_wait_s() >= 30 * step
+            with pytest.raises(ServeError) as info:
+                await gen.submit([1, 2], max_new_tokens=4, timeout_s=step)
+            roomy = await gen.submit([1, 2], max_new_tokens=4, stop_at_eos=False, timeout_s=600)
+            assert gen.predicted_wait_s() >= 30 * step  # the queued request's tokens count too
+            rest = [t async for t in long]
+            return info.value, first + rest, [t async for t in roomy]
+        finally:
+            await gen.drain(5)
+
+    err, long_tokens, roomy_tokens = asyncio.run(main())
+    assert err.status == 503 and "predicted wait" in err.message and err.retry_after_s >= 1
+    assert len(long_tokens) == 48 and len(roomy_tokens) == 4
+    assert gen.metrics.rejections.labels("generate_predicted_wait")._value.get() == 1

@@ -148,12 +148,13 @@ def create_app(
     max_body_bytes: int = 1 << 20,
     drain_timeout_s: float = 30.0,
     warmup: bool = True,
+    progress=None,
 ) -> FastAPI:
     """The app; the lifespan warms every shape (then /readyz turns 200) and drains on shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await engine.start(warmup=warmup)
+        await engine.start(warmup=warmup, progress=progress)
         if generator is not None:
             await generator.start(warmup=warmup)
         app.state.started = time.monotonic()

@@ -19,6 +19,7 @@ EXAMPLES = {
     "serve": """examples:
   slipstream serve --workload gpt-stdlib --checkpoint runs/a/checkpoint.pt --port 8000
   slipstream serve --size small --dtype bf16 --max-batch-size 32 --latency-budget-ms 200
+  slipstream serve --size small --quantize bf16 --compile --workers 2 --threads 1
   slipstream serve --checkpoint runs/a --quantize int8-dynamic --generate-slots 8
   curl -s 127.0.0.1:8000/v1/score -d '{"text": "def f(x):\\n    return x\\n"}' -H 'content-type: application/json'
 """,
@@ -31,6 +32,7 @@ EXAMPLES = {
     "quantize-eval": """examples:
   slipstream quantize-eval --checkpoint runs/a/checkpoint.pt --json quant.json
   slipstream quantize-eval --size small --modes none,bf16,int8-weight-only,int8-dynamic --docs 100
+  slipstream quantize-eval --checkpoint runs/a --modes none,bf16 --compile --threads 1
 """,
 }
 
@@ -69,6 +71,7 @@ def build_app_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         workers=args.workers,
         static_shapes=args.static_shapes,
+        compile=args.compile,
     )
     engine = ScoreEngine(loaded, cfg, expected_lengths=lengths)
     generator = None
@@ -78,13 +81,22 @@ def build_app_from_args(args: argparse.Namespace):
         generator = Generator(
             loaded,
             GeneratorConfig(
-                slots=args.generate_slots, policy=args.batching, dtype=args.dtype, compile=args.compile_decode
+                slots=args.generate_slots,
+                policy=args.batching,
+                dtype=args.dtype,
+                compile=args.compile_decode,
+                shed_wait_s=None if args.generate_max_wait_ms is None else args.generate_max_wait_ms / 1000,
             ),
             metrics=engine.metrics,
         )
     token = args.token or os.environ.get("SLIPSTREAM_SERVE_TOKEN") or None
     app = create_app(
-        engine, generator, token=token, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout
+        engine,
+        generator,
+        token=token,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        progress=lambda line: print(f"slipstream serve: {line}", file=sys.stderr, flush=True),
     )
     return app, engine, loaded
 
@@ -184,7 +196,16 @@ def cmd_quantize_eval(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    res = quantize_eval(args.workload, args.size, args.checkpoint, modes, n_docs=args.docs, reps=args.reps)
+    res = quantize_eval(
+        args.workload,
+        args.size,
+        args.checkpoint,
+        modes,
+        n_docs=args.docs,
+        reps=args.reps,
+        max_len=args.max_len,
+        compile=args.compile,
+    )
     for row in res["results"]:
         lat = ", ".join(
             f"{k.removeprefix('latency_').removesuffix('_median_s')} {v * 1000:.1f} ms"
@@ -235,10 +256,16 @@ def add_parser(subparsers) -> None:
         "--workers", type=int, default=1, help="batches computed concurrently (CPU: pair with --threads)"
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the scoring forward with frozen weights (CUDA: a CUDA graph per shape); "
+        "compiles during warm-up, before /readyz",
+    )
+    p.add_argument(
         "--static-shapes",
         choices=("auto", "on", "off"),
         default="auto",
-        help="pad every batch to a planned shape (auto: on for CUDA, off on CPU where eager code gains nothing)",
+        help="pad every batch to a planned shape (auto: on for CUDA or --compile, off for eager CPU)",
     )
     p.add_argument("--max-queue", type=int, default=512, help="waiting requests at most; more get 503")
     p.add_argument(
@@ -258,6 +285,13 @@ def add_parser(subparsers) -> None:
         choices=("continuous", "static"),
         default="continuous",
         help="generation batching policy",
+    )
+    p.add_argument(
+        "--generate-max-wait-ms",
+        type=float,
+        default=None,
+        help="refuse (503) a generation whose predicted wait for a slot exceeds this "
+        "(default: only one predicted to miss its own deadline)",
     )
     p.add_argument(
         "--compile-decode",
@@ -288,6 +322,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--modes", default="none,bf16,int8-weight-only,int8-dynamic", help="comma-separated modes")
     p.add_argument("--docs", type=int, default=200, help="validation documents")
     p.add_argument("--reps", type=int, default=5, help="interleaved latency repetitions")
+    p.add_argument(
+        "--max-len", type=int, default=None, help="truncate documents / cap shapes (default: the model's)"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="measure every mode compiled as `serve --compile` runs it (frozen weights)",
+    )
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(fn=cmd_quantize_eval)
 

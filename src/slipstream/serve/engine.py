@@ -10,8 +10,9 @@ The batch window is adaptive (after BentoML): with the oldest request's age `w`,
 latency `t(n+1)` of the batch with one more request (measured per shape at warm-up, then an
 EWMA of real batches) and the mean gap `g` between arrivals, the batch closes when
 `w + t(n+1) + g > latency_budget_s` — i.e. when waiting for one more request would be expected to
-break the budget — when it is full, or when the measured costs say a bigger batch does not cost
-less per request (a compute-bound CPU: waiting would only add latency). Under load the queue is
+break the budget — when it is full, when the measured costs say a bigger batch does not cost
+less per request (a compute-bound CPU: waiting would only add latency), or when the workers are
+less than half busy (nothing would queue, so there is no throughput to gain). Under load the queue is
 never empty when a worker frees up, so batches fill without any waiting at all.
 """
 
@@ -23,6 +24,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,8 +32,10 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ..recipe import RecipeError
 from ..workloads.corpus import PAD_ID
 from .batching import ShapePlan, partition, plan_shapes
+from .compiled import compile_for_serving
 from .metrics import ServeMetrics
 from .model import LoadedModel
 
@@ -58,10 +62,14 @@ class EngineConfig:
     """Compute dtype: bf16 runs under autocast."""
     warmup_reps: int = 3
     """Forward passes per shape at warm-up (the median of all but the first is the shape's latency)."""
+    compile: bool = False
+    """torch.compile the forward (inductor, weights frozen as constants; a CUDA graph per shape on
+    CUDA). Compiling happens during warm-up, before the engine says ready."""
     static_shapes: Literal["auto", "on", "off"] = "auto"
     """on: every forward runs a planned (batch, length) shape, as compiled code and CUDA graphs
     need. off: a batch is padded only to its own longest row and real size (eager code gains
-    nothing from padding); the planned shapes remain the cost model. auto: on for CUDA, off on CPU."""
+    nothing from padding); the planned shapes remain the cost model. auto: on for CUDA or when
+    compiled, off for eager CPU."""
     workers: int = 1
     """Batches computed concurrently, each on its own thread (on CPUs: one per core group, with
     torch intra-op threads = cores / workers; on CUDA keep 1)."""
@@ -127,7 +135,19 @@ class ScoreEngine:
             max_batch_tokens=self.config.max_batch_tokens,
         )
         static = self.config.static_shapes
-        self.static_shapes = static == "on" or (static == "auto" and self.device.type == "cuda")
+        if self.config.compile and static == "off":
+            raise RecipeError(
+                "compile with static_shapes=off would compile new shapes while serving; "
+                "use static_shapes=on or auto (--static-shapes auto)"
+            )
+        self.static_shapes = static == "on" or (
+            static == "auto" and (self.device.type == "cuda" or self.config.compile)
+        )
+        self._model = (
+            compile_for_serving(loaded.model, self.device, len(self.plan.shapes))
+            if self.config.compile
+            else loaded.model
+        )
         self.stats = EngineStats()
         self.ready = False
         self.draining = False
@@ -146,10 +166,13 @@ class ScoreEngine:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def warmup(self) -> dict[str, float]:
-        """Run every planned shape `warmup_reps` times; record the median latency per shape."""
+    def warmup(self, progress: Callable[[str], None] | None = None) -> dict[str, float]:
+        """Run every planned shape `warmup_reps` times; record the median latency per shape.
+
+        The first run of a shape (which includes any compile) is left out of the median."""
         reps = max(2, self.config.warmup_reps)
-        for b, L in self.plan.shapes:
+        shapes = self.plan.shapes
+        for k, (b, L) in enumerate(shapes):
             rows = [np.full(L, 1, dtype=np.int64)] * b
             times = []
             for _ in range(reps):
@@ -157,12 +180,17 @@ class ScoreEngine:
                 self._forward(rows, b, L)
                 times.append(time.perf_counter() - t0)
             self.plan.latency_s[(b, L)] = statistics.median(times[1:])
+            if progress is not None:
+                progress(
+                    f"warm-up {k + 1}/{len(shapes)}: {b}x{L} first {times[0]:.2f}s, "
+                    f"then {self.plan.latency_s[(b, L)] * 1000:.1f} ms"
+                )
         return {f"{b}x{L}": t for (b, L), t in self.plan.latency_s.items()}
 
-    async def start(self, warmup: bool = True) -> None:
+    async def start(self, warmup: bool = True, progress: Callable[[str], None] | None = None) -> None:
         loop = asyncio.get_running_loop()
         if warmup:
-            await loop.run_in_executor(self._executor, self.warmup)
+            await loop.run_in_executor(self._executor, self.warmup, progress)
         self._available = asyncio.Event()
         self._started = True
         self._tasks = [
@@ -293,7 +321,7 @@ class ScoreEngine:
                 break
             L = max(r.row_length for r in batch)
             b = self.plan.batch_for(len(batch) + 1, L)
-            if b is None or not self._batching_pays(len(batch), b, L):
+            if b is None or not self._batching_pays(len(batch), b, L) or not self._busy_enough(L):
                 break
             now = time.monotonic()
             # Keep to the budget and to every batched request's own deadline.
@@ -315,6 +343,13 @@ class ScoreEngine:
         if (b, L) not in self.plan.latency_s or (current, L) not in self.plan.latency_s:
             return False  # unmeasured (no warm-up): do not wait on a guess
         return self.plan.predict(b, L) / (n + 1) < 0.9 * self.plan.predict(current, L) / n
+
+    def _busy_enough(self, L: int) -> bool:
+        """Waiting only pays when the workers are at least half busy; below that a request runs
+        at once. Utilisation = (one request's measured cost) / (mean gap between arrivals x
+        workers): at 4 req/s on a 5 ms forward nothing queues, so waiting for a batch-mate would
+        only add latency (it added ~0.5 s to p99 at low rates before this check)."""
+        return self.plan.predict(1, L) / (self._gap_s * self.config.workers) >= 0.5
 
     async def _batcher(self) -> None:
         loop = asyncio.get_running_loop()
@@ -401,7 +436,7 @@ class ScoreEngine:
             labels[i, : len(row) - 1] = t[1:]
         x, labels = x.to(self.device), labels.to(self.device)
         with torch.inference_mode(), _autocast(self.device, self.config.dtype):
-            nll = self.loaded.model(x, labels=labels, reduction="none")
+            nll = self._model(x, labels=labels, reduction="none")
         nll = nll.float().cpu().numpy()
         return [nll[i, : len(row) - 1] for i, row in enumerate(rows)]
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,9 @@ class GeneratorConfig:
     """Waiting requests at most; more get 503."""
     default_timeout_s: float = 60.0
     """A request still waiting for a slot past its deadline gets 504."""
+    shed_wait_s: float | None = None
+    """Refuse (503) a request whose predicted wait for a slot exceeds this; None = its own
+    deadline only (a request predicted to miss its deadline is refused at once, not left to 504)."""
 
 
 class KVCache:
@@ -240,6 +244,9 @@ class Generator:
         self._pending: asyncio.Queue[_Seq] | None = None
         self._slots: list[_Seq | None] = [None] * self.config.slots
         self._task: asyncio.Task | None = None
+        self._waiting: list[int] = []  # max_new_tokens of each queued request, in queue order
+        self._step_s: float | None = None  # EWMA seconds of one decode step (measured)
+        self._prefill_s: float | None = None  # EWMA seconds of one prefill (measured)
 
     def _autocast(self):
         if self.config.dtype == "bf16":
@@ -283,6 +290,25 @@ class Generator:
     def _active(self) -> int:
         return sum(s is not None for s in self._slots)
 
+    def predicted_wait_s(self) -> float:
+        """Seconds until a request submitted now would get a slot and its first token.
+
+        Each running sequence frees its slot after its remaining tokens (max_new_tokens is an
+        upper bound: EOS may end it sooner, so this errs towards refusing); each queued request
+        then takes the earliest free slot for its own max_new_tokens. Steps are priced at the
+        measured decode-step time, prefills at the measured prefill time (0 before any is
+        measured: nothing is refused on a guess)."""
+        if self._step_s is None:
+            return 0.0
+        free_at = [
+            0 if s is None else max(0, s.max_new_tokens - s.generated) for s in self._slots
+        ]  # decode steps until each slot frees
+        heapq.heapify(free_at)
+        prefill = self._prefill_s or 0.0
+        for n in self._waiting:  # policy-agnostic: static batching only waits longer
+            heapq.heappush(free_at, heapq.heappop(free_at) + n)
+        return free_at[0] * self._step_s + (len(self._waiting) + 1) * prefill
+
     # -- admission -------------------------------------------------------------------------------
 
     async def submit(
@@ -324,13 +350,25 @@ class Generator:
             stream,
             now,
         )
+        if not (timeout > 0):
+            raise ServeError(422, "timeout_s must be a positive number of seconds")
+        wait = self.predicted_wait_s()
+        budget = timeout if self.config.shed_wait_s is None else min(timeout, self.config.shed_wait_s)
+        if wait > budget:
+            self.metrics.rejections.labels("generate_predicted_wait").inc()
+            raise ServeError(
+                503,
+                f"overloaded: predicted wait for a slot {wait:.2f}s exceeds the budget {budget:.2f}s",
+                max(1.0, wait),
+            )
         try:
             self._pending.put_nowait(seq)
         except asyncio.QueueFull:
             self.metrics.rejections.labels("generate_queue_full").inc()
             raise ServeError(
-                503, f"generation queue full ({self.config.max_queue}); retry later", 1.0
+                503, f"generation queue full ({self.config.max_queue}); retry later", max(1.0, wait)
             ) from None
+        self._waiting.append(max_new_tokens)
         return stream
 
     # -- the loop --------------------------------------------------------------------------------
@@ -344,6 +382,7 @@ class Generator:
         now = time.monotonic()
         while free and self._pending.qsize():
             seq = self._pending.get_nowait()
+            self._waiting.pop(0)
             if seq.stream.cancelled:
                 continue
             if now > seq.deadline:
@@ -402,7 +441,9 @@ class Generator:
         while True:
             for slot, seq in self._admit_now():
                 try:
+                    t0 = time.perf_counter()
                     logits = await loop.run_in_executor(self._executor, self._prefill, slot, seq)
+                    self._prefill_s = _ewma(self._prefill_s, time.perf_counter() - t0)
                     token = self._sample_one(logits, seq)
                 except Exception as err:  # a failing prefill fails only its own request
                     seq.stream.close("error", ServeError(500, f"prefill failed: {type(err).__name__}: {err}"))
@@ -429,7 +470,9 @@ class Generator:
                 topks[i], seeds[i], steps[i] = s.top_k, s.seed, s.generated
             args = (t.to(self.device) for t in (tokens, positions, temps, topks, seeds, steps))
             try:
+                t0 = time.perf_counter()
                 nxt = await loop.run_in_executor(self._executor, self._step, *args)
+                self._step_s = _ewma(self._step_s, time.perf_counter() - t0)
             except Exception as err:
                 for i, s in active:
                     s.stream.close("error", ServeError(500, f"decode failed: {type(err).__name__}: {err}"))
@@ -440,6 +483,10 @@ class Generator:
             for i, s in active:
                 s.position += 1
                 self._emit(i, s, nxt[i])
+
+
+def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
 
 
 def generate_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:

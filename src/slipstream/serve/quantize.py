@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -50,10 +51,22 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
+def _device(model: nn.Module | Callable, device: torch.device | None) -> torch.device:
+    return device if device is not None else next(model.parameters()).device
+
+
 @torch.inference_mode()
-def validation_loss(model: nn.Module, docs: list[np.ndarray], max_len: int, batch_size: int = 8) -> float:
-    """Mean next-token loss (nats) over the documents' tokens (each truncated to max_len)."""
-    device = next(model.parameters()).device
+def validation_loss(
+    model: nn.Module | Callable,
+    docs: list[np.ndarray],
+    max_len: int,
+    batch_size: int = 8,
+    device: torch.device | None = None,
+) -> float:
+    """Mean next-token loss (nats) over the documents' tokens (each truncated to max_len).
+
+    `model` may be a compiled callable; then `device` says where its inputs go."""
+    device = _device(model, device)
     total, count = 0.0, 0
     docs = sorted((d[:max_len] for d in docs if len(d) >= 2), key=len)
     for i in range(0, len(docs), batch_size):
@@ -72,9 +85,11 @@ def validation_loss(model: nn.Module, docs: list[np.ndarray], max_len: int, batc
 
 
 @torch.inference_mode()
-def forward_latency_s(model: nn.Module, batch: int, length: int, reps: int = 5) -> float:
+def forward_latency_s(
+    model: nn.Module | Callable, batch: int, length: int, reps: int = 5, device: torch.device | None = None
+) -> float:
     """Median seconds of one scoring forward of shape (batch, length), after one warm-up pass."""
-    device = next(model.parameters()).device
+    device = _device(model, device)
     x = torch.randint(0, 256, (batch, length), device=device)
     model(x, labels=x, reduction="none")
     times = []
@@ -97,11 +112,16 @@ def quantize_eval(
     max_len: int | None = None,
     shapes: tuple[tuple[int, int], ...] = ((1, 512), (8, 512)),
     reps: int = 5,
+    compile: bool = False,
 ) -> dict:
-    """Validation loss and forward latency of each mode vs fp32, interleaved per repetition."""
+    """Validation loss and forward latency of each mode vs fp32, interleaved per repetition.
+
+    With `compile`, every mode (fp32 included) runs as `slipstream serve --compile` runs it, so
+    both the loss delta and the speed-up are those of the compiled server."""
     import copy
 
     from ..workloads.corpus import load_stdlib_corpus
+    from .compiled import compile_for_serving
     from .model import load_model
 
     base = load_model(workload, size, checkpoint)
@@ -112,12 +132,14 @@ def quantize_eval(
     for mode in modes:
         if mode != "none":
             models[mode] = quantize_model(copy.deepcopy(base.model), mode)
-    losses = {m: validation_loss(model, docs, L) for m, model in models.items()}
+    device = next(base.model.parameters()).device
+    runners = {m: compile_for_serving(model, device) if compile else model for m, model in models.items()}
+    losses = {m: validation_loss(run, docs, L, device=device) for m, run in runners.items()}
     lat: dict[str, dict[str, list[float]]] = {m: {f"{b}x{n}": [] for b, n in shapes} for m in models}
     for _ in range(reps):  # interleaved: mode A, mode B, ..., repeated
-        for m, model in models.items():
+        for m, run in runners.items():
             for b, n in shapes:
-                lat[m][f"{b}x{n}"].append(forward_latency_s(model, b, min(n, L), reps=1))
+                lat[m][f"{b}x{n}"].append(forward_latency_s(run, b, min(n, L), reps=1, device=device))
     rows = []
     for m in models:
         row = {
@@ -137,6 +159,7 @@ def quantize_eval(
         "validation_docs": len(docs),
         "max_len": L,
         "reps": reps,
+        "compiled": compile,
         "torch": torch.__version__,
         "results": rows,
     }
