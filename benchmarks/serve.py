@@ -13,7 +13,10 @@ the gpt-stdlib validation split, truncated to the model's max_len):
                   weights; CUDA graphs per shape on CUDA): what slipstream serves by default
                   advice. Its validation-loss cost is measured by `slipstream quantize-eval`.
 
-The rate sweeps interleave the systems round by round (A B C, C B A, ...). Afterwards, overload:
+The rate sweeps interleave the systems round by round (A B C, C B A, ...); while one system is
+measured, the others are paused (SIGSTOP to their process groups; an idle LitServe polls its
+queues at ~10% of a core, which would otherwise be taken from whichever system is measured).
+Afterwards, overload:
 --overload-system at 5x its sustainable rate for --overload-s seconds (admitted p99, share of
 503s, RSS at start and end).
 
@@ -29,6 +32,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -279,6 +283,11 @@ def compare(args) -> int:
             f"{len(payloads)} payloads, median {sorted(lengths)[len(lengths) // 2]} tokens; SLO p99 <= {args.slo_ms} ms",
             flush=True,
         )
+
+        def measure_only(name: str) -> None:
+            for other, proc in procs.items():
+                os.killpg(proc.pid, signal.SIGCONT if other == name else signal.SIGSTOP)
+
         sweeps = asyncio.run(
             loadgen.sweep(
                 urls,
@@ -290,8 +299,11 @@ def compare(args) -> int:
                 step_duration_s=args.step_s,
                 max_steps=args.max_steps,
                 progress=lambda line: print(line, flush=True),
+                before_step=measure_only,
             )
         )
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGCONT)
         result = {
             "benchmark": "serve-score-max-rate-under-p99-slo",
             "date": time.strftime("%Y-%m-%d"),
@@ -370,6 +382,7 @@ def compare(args) -> int:
     finally:
         for proc in procs.values():
             if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGCONT)
                 os.killpg(proc.pid, 15)
         for proc in procs.values():
             try:

@@ -125,10 +125,10 @@ def test_full_queue_and_predicted_wait_shed_with_503_and_retry_after(tiny):
     async def run2():
         await eng2.start(warmup=False)
         eng2.plan.latency_s = {s: 0.05 for s in eng2.plan.shapes}
-        eng2._queued_tokens = 10_000
+        eng2._queued_s = 10.0
         with pytest.raises(ServeError) as err:
             await eng2.score([1, 2, 3])
-        eng2._queued_tokens = 0
+        eng2._queued_s = 0.0
         await eng2.drain(1)
         return err.value
 

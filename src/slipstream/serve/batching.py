@@ -68,18 +68,18 @@ class ShapePlan:
         old = self.latency_s.get((b, length))
         self.latency_s[(b, length)] = seconds if old is None else (1 - alpha) * old + alpha * seconds
 
-    def seconds_per_token(self) -> float:
-        """Best measured throughput cost (seconds per padded token) over all shapes."""
-        if not self.latency_s:
-            return 1e-6
-        return min(t / (b * L) for (b, L), t in self.latency_s.items())
+    def seconds_per_token(self, length: int | None = None) -> float:
+        """Best measured cost (seconds per padded token) over the shapes of this row length, or
+        over all shapes. Per length, because a long row costs more per token (attention)."""
+        costs = [t / (b * L) for (b, L), t in self.latency_s.items() if length in (None, L)]
+        return min(costs) if costs else 1e-6
 
 
 def plan_shapes(
     lengths: np.ndarray | list[int],
     *,
     max_len: int,
-    n_lengths: int = 4,
+    n_lengths: int = 8,
     max_batch_size: int = 16,
     max_batch_tokens: int = 8192,
     multiple_of: int = 16,

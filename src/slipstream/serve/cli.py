@@ -251,7 +251,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="padded tokens per forward at most")
-    p.add_argument("--buckets", type=int, default=4, help="planned row lengths (the longest is max_len)")
+    p.add_argument("--buckets", type=int, default=8, help="planned row lengths (the longest is max_len)")
     p.add_argument(
         "--workers", type=int, default=1, help="batches computed concurrently (CPU: pair with --threads)"
     )

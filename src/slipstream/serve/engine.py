@@ -48,7 +48,7 @@ class EngineConfig:
     """Most requests in one forward pass."""
     max_batch_tokens: int = 8192
     """Most (padded) tokens in one forward pass; caps the batch size of long rows."""
-    n_lengths: int = 4
+    n_lengths: int = 8
     """Planned row lengths (buckets), the longest being the model's max_len."""
     max_queue: int = 512
     """Requests waiting at most; more are refused with 503."""
@@ -89,6 +89,8 @@ class ServeError(Exception):
 class _Request:
     tokens: np.ndarray
     row_length: int
+    cost_s: float
+    """Predicted compute seconds of this request's row (its length's best measured cost per token)."""
     admitted: float
     deadline: float
     future: asyncio.Future
@@ -158,8 +160,8 @@ class ScoreEngine:
         self._executor = ThreadPoolExecutor(
             max_workers=self.config.workers, thread_name_prefix="slipstream-score"
         )
-        self._queued_tokens = 0
-        self._inflight_tokens = 0
+        self._queued_s = 0.0  # predicted compute seconds of the queued requests
+        self._inflight_s = 0.0  # ... and of the batches being computed
         self._inflight = 0
         self._gap_s = 1.0  # EWMA of the time between arrivals
         self._last_arrival: float | None = None
@@ -221,11 +223,7 @@ class ScoreEngine:
     # -- admission -------------------------------------------------------------------------------
 
     def predicted_wait_s(self) -> float:
-        return (
-            (self._queued_tokens + self._inflight_tokens)
-            * self.plan.seconds_per_token()
-            / self.config.workers
-        )
+        return (self._queued_s + self._inflight_s) / self.config.workers
 
     async def score(
         self, tokens: list[int] | np.ndarray, timeout_s: float | None = None, token_logprobs: bool = False
@@ -263,7 +261,10 @@ class ScoreEngine:
         if self._last_arrival is not None:
             self._gap_s = 0.9 * self._gap_s + 0.1 * (now - self._last_arrival)
         self._last_arrival = now
-        req = _Request(arr, L, now, now + timeout, asyncio.get_running_loop().create_future(), token_logprobs)
+        cost = L * self.plan.seconds_per_token(L)
+        req = _Request(
+            arr, L, cost, now, now + timeout, asyncio.get_running_loop().create_future(), token_logprobs
+        )
         if len(self._pending) >= self.config.max_queue:
             self.metrics.rejections.labels("queue_full").inc()
             raise ServeError(
@@ -271,7 +272,7 @@ class ScoreEngine:
             )
         self._pending.append(req)
         self._available.set()
-        self._queued_tokens += L
+        self._queued_s += cost
         self.metrics.queue_depth.set(self.queue_depth)
         return await req.future
 
@@ -279,7 +280,7 @@ class ScoreEngine:
 
     def _pop(self) -> _Request:
         req = self._pending.popleft()
-        self._queued_tokens -= req.row_length
+        self._queued_s -= req.cost_s
         if not self._pending:
             self._available.clear()
         return req
@@ -287,7 +288,7 @@ class ScoreEngine:
     def _push_back(self, req: _Request) -> None:
         """Return a request to the head of the queue (another worker or the next batch takes it)."""
         self._pending.appendleft(req)
-        self._queued_tokens += req.row_length
+        self._queued_s += req.cost_s
         self._available.set()
 
     async def _wait_pending(self, timeout: float | None = None) -> bool:
@@ -374,8 +375,10 @@ class ScoreEngine:
             groups = partition([len(r.tokens) for r in live], self.plan)
             groups.sort(key=lambda g: min(live[i].deadline for i in g[0]))  # earliest deadline first
             self._inflight += len(live)
-            self._inflight_tokens += sum(b * L for _, b, L in groups)
-            for idx, b, L in groups:
+            # Priced once: the EWMA moves as batches finish, and the same amount must come off.
+            priced = [self.plan.predict(b, L) for _, b, L in groups]
+            self._inflight_s += sum(priced)
+            for (idx, b, L), cost in zip(groups, priced):
                 reqs = [live[i] for i in idx]
                 start = time.monotonic()
                 for r in reqs:
@@ -396,7 +399,7 @@ class ScoreEngine:
                     continue
                 finally:
                     self._inflight -= len(reqs)
-                    self._inflight_tokens -= b * L
+                    self._inflight_s -= cost
                 nll, seconds = out
                 self._record(reqs, b, L, seconds * (b * L) / (rb * rL), rb * rL)
                 for r, row in zip(reqs, nll):

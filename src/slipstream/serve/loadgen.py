@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
@@ -258,13 +258,15 @@ async def sweep(
     seed: int = 0,
     pause_s: float = 1.0,
     progress=None,
+    before_step: Callable[[str], None] | None = None,
 ) -> dict[str, SweepResult]:
     """Find each target's highest Poisson rate with p99 <= SLO, the targets measured side by side.
 
     Rates grow geometrically from `start_rps` until a step fails, then `refine_steps` bisections
     between the last pass and the first fail. Each round runs every unfinished target once at its
     own next rate, alternating the order (A B, B A, ...), so slow drift of a shared machine hits
-    all targets alike.
+    all targets alike. `before_step(name)` runs before each step (the serving benchmark pauses
+    the idle servers there, so their background polling does not tax the one measured).
     """
     for url in targets.values():
         check_loopback(url)
@@ -290,6 +292,8 @@ async def sweep(
         for name in order:
             st = state[name]
             rate = st["next"]
+            if before_step is not None:
+                before_step(name)
             res = await open_loop(targets[name], payloads, rate, step_duration_s, seed=seed + round_no)
             ok = res.passes(slo_p99_s)
             st["steps"].append({"rate_rps": rate, "passed": ok, **res.to_json()})
