@@ -4,6 +4,8 @@ Systems (same model, same weights, same torch threads, same machine, same payloa
 the gpt-stdlib validation split, truncated to the model's max_len):
   (a) plain     — a plain FastAPI endpoint, one request per forward pass (a `def` handler, so
                   FastAPI's thread pool runs concurrent requests' forwards side by side);
+      plain-fast — the same endpoint with slipstream-fast's numerics and compiled forward (bf16
+                  weights, `compile_for_serving`): isolates what the serving layer adds;
   (b) litserve  — LitServe with batching on (max_batch_size, batch_timeout), padding each batch
                   to its longest sequence (LitServe has no shape planning);
   (c) slipstream — `slipstream serve`: adaptive batching into planned (batch, length) shapes,
@@ -44,7 +46,7 @@ from pydantic import BaseModel
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _score_rows(model, rows: list[list[int]]) -> list[dict]:
+def _score_rows(model, rows: list[list[int]], device=None) -> list[dict]:
     """One padded forward over rows; the same per-token log-prob computation slipstream does."""
     import torch
 
@@ -55,7 +57,7 @@ def _score_rows(model, rows: list[list[int]]) -> list[dict]:
         t = torch.as_tensor(r, dtype=torch.long)
         x[i, : len(r)] = t
         y[i, : len(r) - 1] = t[1:]
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     with torch.inference_mode():
         nll = model(x.to(device), labels=y.to(device), reduction="none").float().cpu()
     out = []
@@ -83,11 +85,19 @@ def run_plain(args) -> None:
     from fastapi import FastAPI
 
     model = _model(args)
+    forward = model
+    if args.fast:  # the same numerics and compiled code as slipstream-fast, without its serving layer
+        import torch
+
+        from slipstream.serve.compiled import compile_for_serving
+
+        forward = compile_for_serving(model.to(torch.bfloat16), torch.device(args.device))
+        _score_rows(forward, [list(range(64))], device=torch.device(args.device))  # compile before serving
     app = FastAPI()
 
     @app.post("/v1/score")
     def score(body: Body) -> dict:  # one request per forward pass
-        return _score_rows(model, [body.tokens])[0]
+        return _score_rows(forward, [body.tokens], device=next(model.parameters()).device)[0]
 
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
@@ -198,6 +208,7 @@ def compare(args) -> int:
     py = sys.executable
     ports = {
         "plain": 18601,
+        "plain-fast": 18606,
         "litserve": 18602,
         "slipstream": 18603,
         "slipstream-bf16": 18604,
@@ -215,6 +226,7 @@ def compare(args) -> int:
     ]
     argv = {
         "plain": [py, __file__, "plain", "--port", str(ports["plain"]), *common],
+        "plain-fast": [py, __file__, "plain", "--fast", "--port", str(ports["plain-fast"]), *common],
         "litserve": [
             py,
             __file__,
@@ -519,6 +531,7 @@ def main(argv=None) -> int:
         "--workers", type=int, default=2, help="slipstream compute workers / LitServe workers_per_device"
     )
     p.add_argument("--port", type=int, default=8101)
+    p.add_argument("--fast", action="store_true", help="plain: bf16 weights + compile_for_serving")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--batch-timeout", type=float, default=0.01, help="LitServe's batch window, seconds")
     p.add_argument("--systems", default="plain,litserve,slipstream,slipstream-fast")

@@ -58,3 +58,26 @@ def test_partition_keeps_long_rows_from_padding_short_ones():
     groups = partition([10, 12, 9, 250, 11], plan)
     shapes = sorted((b, L) for _, b, L in groups)
     assert shapes == [(1, 256), (4, 16)]
+
+
+def test_every_batch_size_plans_each_size_up_to_the_token_cap():
+    plan = plan_shapes(
+        [10, 50, 120],
+        max_len=1024,
+        n_lengths=2,
+        max_batch_size=6,
+        max_batch_tokens=4096,
+        every_batch_size=True,
+    )
+    assert plan.batch_sizes[1024] == (1, 2, 3, 4)  # 4096 tokens / 1024
+    assert all(plan.batch_sizes[L] == tuple(range(1, len(plan.batch_sizes[L]) + 1)) for L in plan.lengths)
+
+
+def test_engine_plans_every_batch_size_only_where_rows_cost_linearly(tiny):
+    from slipstream.serve.engine import EngineConfig, ScoreEngine
+
+    cfg = dict(max_batch_size=4, n_lengths=2)
+    static_cpu = ScoreEngine(tiny, EngineConfig(static_shapes="on", **cfg))
+    eager_cpu = ScoreEngine(tiny, EngineConfig(static_shapes="off", **cfg))
+    assert 3 in static_cpu.plan.batch_sizes[static_cpu.plan.lengths[0]]  # no padded rows on CPU
+    assert 3 not in eager_cpu.plan.batch_sizes[eager_cpu.plan.lengths[0]]  # shapes only price batches

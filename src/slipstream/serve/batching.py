@@ -83,10 +83,14 @@ def plan_shapes(
     max_batch_size: int = 16,
     max_batch_tokens: int = 8192,
     multiple_of: int = 16,
+    every_batch_size: bool = False,
 ) -> ShapePlan:
     """Length buckets from a histogram of expected request lengths (clipped to max_len) + batch sizes.
 
-    The largest bucket is always max_len so that every admissible request has a shape.
+    The largest bucket is always max_len so that every admissible request has a shape. Batch
+    sizes are powers of two (few shapes: each is a CUDA graph, and a GPU's cost is flat in rows),
+    or with `every_batch_size` every size up to the cap (a CPU's cost is linear in rows, so a
+    padded row is pure waste there, and one more warmed shape costs only its warm-up).
     """
     from ..shapes.planner import plan_buckets
 
@@ -99,7 +103,10 @@ def plan_shapes(
     edges = set(plan_buckets(arr, max(1, n_lengths - 1), max_len=max_len, multiple_of=multiple_of).edges)
     edges.add(max_len)
     ordered = tuple(sorted(edges))
-    sizes = {L: tuple(_pow2_upto(max(1, min(max_batch_size, max_batch_tokens // L)))) for L in ordered}
+    caps = {L: max(1, min(max_batch_size, max_batch_tokens // L)) for L in ordered}
+    sizes = {
+        L: tuple(range(1, cap + 1)) if every_batch_size else tuple(_pow2_upto(cap)) for L, cap in caps.items()
+    }
     return ShapePlan(lengths=ordered, batch_sizes=sizes)
 
 

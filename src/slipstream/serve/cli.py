@@ -72,6 +72,7 @@ def build_app_from_args(args: argparse.Namespace):
         workers=args.workers,
         static_shapes=args.static_shapes,
         compile=args.compile,
+        batch_sizes=args.batch_sizes,
     )
     engine = ScoreEngine(loaded, cfg, expected_lengths=lengths)
     generator = None
@@ -266,6 +267,12 @@ def add_parser(subparsers) -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="pad every batch to a planned shape (auto: on for CUDA or --compile, off for eager CPU)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        choices=("auto", "pow2", "all"),
+        default="auto",
+        help="planned batch sizes per length (auto: every size for static shapes on CPU, else powers of two)",
     )
     p.add_argument("--max-queue", type=int, default=512, help="waiting requests at most; more get 503")
     p.add_argument(

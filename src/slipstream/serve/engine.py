@@ -65,6 +65,10 @@ class EngineConfig:
     compile: bool = False
     """torch.compile the forward (inductor, weights frozen as constants; a CUDA graph per shape on
     CUDA). Compiling happens during warm-up, before the engine says ready."""
+    batch_sizes: Literal["auto", "pow2", "all"] = "auto"
+    """Planned batch sizes per length: powers of two, or every size up to the cap. auto: all for
+    static shapes on a CPU (cost linear in rows: a padded row is wasted compute), else pow2 (CUDA:
+    one graph per shape, cost flat in rows; eager CPU: shapes are only the cost model)."""
     static_shapes: Literal["auto", "on", "off"] = "auto"
     """on: every forward runs a planned (batch, length) shape, as compiled code and CUDA graphs
     need. off: a batch is padded only to its own longest row and real size (eager code gains
@@ -128,14 +132,6 @@ class ScoreEngine:
         self.config = config or EngineConfig()
         self.metrics = metrics or ServeMetrics()
         self.device = next(loaded.model.parameters()).device
-        lengths = expected_lengths if expected_lengths is not None else [loaded.max_len]
-        self.plan: ShapePlan = plan_shapes(
-            lengths,
-            max_len=loaded.max_len,
-            n_lengths=self.config.n_lengths,
-            max_batch_size=self.config.max_batch_size,
-            max_batch_tokens=self.config.max_batch_tokens,
-        )
         static = self.config.static_shapes
         if self.config.compile and static == "off":
             raise RecipeError(
@@ -144,6 +140,18 @@ class ScoreEngine:
             )
         self.static_shapes = static == "on" or (
             static == "auto" and (self.device.type == "cuda" or self.config.compile)
+        )
+        every = self.config.batch_sizes == "all" or (
+            self.config.batch_sizes == "auto" and self.static_shapes and self.device.type == "cpu"
+        )
+        lengths = expected_lengths if expected_lengths is not None else [loaded.max_len]
+        self.plan: ShapePlan = plan_shapes(
+            lengths,
+            max_len=loaded.max_len,
+            n_lengths=self.config.n_lengths,
+            max_batch_size=self.config.max_batch_size,
+            max_batch_tokens=self.config.max_batch_tokens,
+            every_batch_size=every,
         )
         self._model = (
             compile_for_serving(loaded.model, self.device, len(self.plan.shapes))
