@@ -300,18 +300,22 @@ def compare(args) -> int:
             for other, proc in procs.items():
                 os.killpg(proc.pid, signal.SIGCONT if other == name else signal.SIGSTOP)
 
-        sweeps = asyncio.run(
-            loadgen.sweep(
-                urls,
-                payloads,
-                slo_p99_s=args.slo_ms / 1000,
-                start_rps=args.start_rate,
-                factor=args.factor,
-                refine_steps=args.refine,
-                step_duration_s=args.step_s,
-                max_steps=args.max_steps,
-                progress=lambda line: print(line, flush=True),
-                before_step=measure_only,
+        sweeps = (
+            {}
+            if args.overload_rate
+            else asyncio.run(
+                loadgen.sweep(
+                    urls,
+                    payloads,
+                    slo_p99_s=args.slo_ms / 1000,
+                    start_rps=args.start_rate,
+                    factor=args.factor,
+                    refine_steps=args.refine,
+                    step_duration_s=args.step_s,
+                    max_steps=args.max_steps,
+                    progress=lambda line: print(line, flush=True),
+                    before_step=measure_only,
+                )
             )
         )
         for proc in procs.values():
@@ -345,16 +349,20 @@ def compare(args) -> int:
             print(f"{name:>11}: max rate {sw.max_rate_rps} req/s, p99 {sw.p99_at_max_s}", flush=True)
         base = result["systems"].get("plain", {}).get("max_rate_rps")
         for name in systems:
-            r = result["systems"][name]["max_rate_rps"]
+            r = result["systems"].get(name, {}).get("max_rate_rps")
             if base and r:
                 result["systems"][name]["rate_vs_plain"] = r / base
         lit = result["systems"].get("litserve", {}).get("max_rate_rps")
         for name in systems:
-            r = result["systems"][name]["max_rate_rps"]
+            r = result["systems"].get(name, {}).get("max_rate_rps")
             if lit and r and name.startswith("slipstream"):
                 result["systems"][name]["rate_vs_litserve"] = r / lit
         victim = args.overload_system
-        sustain = result["systems"].get(victim, {}).get("max_rate_rps")
+        sustain = (
+            (args.overload_rate / 5)
+            if args.overload_rate
+            else result["systems"].get(victim, {}).get("max_rate_rps")
+        )
         if args.overload_s > 0 and sustain:
             pid = procs[victim].pid
             rss0 = _tree_rss(pid)
@@ -536,6 +544,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch-timeout", type=float, default=0.01, help="LitServe's batch window, seconds")
     p.add_argument("--systems", default="plain,litserve,slipstream,slipstream-fast")
     p.add_argument("--overload-system", default="slipstream-fast", help="the system overloaded at 5x")
+    p.add_argument(
+        "--overload-rate",
+        type=float,
+        default=None,
+        help="skip the sweeps; overload --overload-system at this rate (e.g. 5x a rate a sweep found)",
+    )
     p.add_argument("--slo-ms", type=float, default=1000.0)
     p.add_argument("--start-rate", type=float, default=2.0)
     p.add_argument("--factor", type=float, default=1.5)

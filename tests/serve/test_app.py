@@ -94,3 +94,20 @@ def test_generate_plain_and_streamed(client, tiny):
     assert events[-1] == {"done": True, "finish_reason": "length"}
     r = client.post("/v1/generate", json={"prompt": "x" * 60, "max_new_tokens": 10})
     assert r.status_code == 413
+
+
+def test_overload_is_refused_before_the_body_is_parsed(client):
+    """With the predicted wait over the budget, even an unparseable body gets 503 + Retry-After
+    (the refusal came first, at no parsing cost); a wrong token still gets 401; and once the
+    queue is predicted to drain, requests are scored again."""
+    engine = client.app.state.engine
+    engine._queued_s = 1000.0  # as if 1000 s of work were queued
+    try:
+        r = client.post("/v1/score", content=b"\xff not json", headers={"content-type": "application/json"})
+        assert r.status_code == 503 and "predicted queue wait" in r.json()["error"]
+        assert int(r.headers["retry-after"]) >= 1
+        r = client.post("/v1/score", json={"tokens": [1, 2]}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+    finally:
+        engine._queued_s = 0.0
+    assert client.post("/v1/score", json={"tokens": [1, 2, 3]}).status_code == 200

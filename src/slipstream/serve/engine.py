@@ -233,6 +233,31 @@ class ScoreEngine:
     def predicted_wait_s(self) -> float:
         return (self._queued_s + self._inflight_s) / self.config.workers
 
+    @property
+    def shed_budget_s(self) -> float:
+        """Predicted queue wait past which a request is refused with 503."""
+        return self.config.latency_budget_s if self.config.shed_wait_s is None else self.config.shed_wait_s
+
+    def refusal(self) -> ServeError | None:
+        """The 503 a score request would get now whatever it holds (draining, queue full, or
+        predicted wait over the budget), or None. Lets the HTTP layer refuse before parsing."""
+        if not self._started or self.draining:
+            return ServeError(
+                503, "server is not accepting requests (starting or draining); retry shortly", 1.0
+            )
+        wait = self.predicted_wait_s()
+        if len(self._pending) >= self.config.max_queue:
+            self.metrics.rejections.labels("queue_full").inc()
+            return ServeError(
+                503, f"queue full ({self.config.max_queue} waiting); retry later", max(1.0, wait)
+            )
+        if wait > self.shed_budget_s:
+            self.metrics.rejections.labels("predicted_wait").inc()
+            return ServeError(
+                503, f"overloaded: predicted queue wait {wait:.3f}s exceeds the budget", max(1.0, wait)
+            )
+        return None
+
     async def score(
         self, tokens: list[int] | np.ndarray, timeout_s: float | None = None, token_logprobs: bool = False
     ) -> dict:
@@ -259,8 +284,7 @@ class ScoreEngine:
             raise ServeError(422, "timeout_s must be a positive number of seconds")
         L = self.plan.length_for(n)
         wait = self.predicted_wait_s()
-        shed = self.config.latency_budget_s if self.config.shed_wait_s is None else self.config.shed_wait_s
-        if wait > min(shed, timeout):
+        if wait > min(self.shed_budget_s, timeout):
             self.metrics.rejections.labels("predicted_wait").inc()
             raise ServeError(
                 503, f"overloaded: predicted queue wait {wait:.3f}s exceeds the budget", max(1.0, wait)
