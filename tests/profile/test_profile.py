@@ -88,7 +88,9 @@ def test_shape_churn_under_compile_is_a_recompile_at_the_call():
     result = profiled("shape_churn.py")
     (finding,) = [f for f in result.findings if f.kind == "recompile"]
     assert finding.where == planted("shape_churn.py")
-    assert finding.severity == "warning"
+    # Compile time against step time decides the grade (>= 30% of the run is critical); which side
+    # of it this run lands on depends on the machine's speed, so check the rule, not one outcome.
+    assert finding.severity == ("critical" if finding.share_of_step >= 0.3 else "warning")
     assert "size mismatch" in finding.detail
     assert finding.evidence["recompiles"] >= 1
     assert "bucket" in finding.fix
