@@ -85,19 +85,20 @@ def run_plain(args) -> None:
     from fastapi import FastAPI
 
     model = _model(args)
+    device = next(model.parameters()).device
     forward = model
     if args.fast:  # the same numerics and compiled code as slipstream-fast, without its serving layer
         import torch
 
         from slipstream.serve.compiled import compile_for_serving
 
-        forward = compile_for_serving(model.to(torch.bfloat16), torch.device(args.device))
-        _score_rows(forward, [list(range(64))], device=torch.device(args.device))  # compile before serving
+        forward = compile_for_serving(model.to(torch.bfloat16), device)
+        _score_rows(forward, [list(range(64))], device=device)  # compile before serving
     app = FastAPI()
 
     @app.post("/v1/score")
     def score(body: Body) -> dict:  # one request per forward pass
-        return _score_rows(forward, [body.tokens], device=next(model.parameters()).device)[0]
+        return _score_rows(forward, [body.tokens], device=device)[0]
 
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
@@ -348,13 +349,11 @@ def compare(args) -> int:
             }
             print(f"{name:>11}: max rate {sw.max_rate_rps} req/s, p99 {sw.p99_at_max_s}", flush=True)
         base = result["systems"].get("plain", {}).get("max_rate_rps")
+        lit = result["systems"].get("litserve", {}).get("max_rate_rps")
         for name in systems:
             r = result["systems"].get(name, {}).get("max_rate_rps")
             if base and r:
                 result["systems"][name]["rate_vs_plain"] = r / base
-        lit = result["systems"].get("litserve", {}).get("max_rate_rps")
-        for name in systems:
-            r = result["systems"].get(name, {}).get("max_rate_rps")
             if lit and r and name.startswith("slipstream"):
                 result["systems"][name]["rate_vs_litserve"] = r / lit
         victim = args.overload_system

@@ -22,6 +22,11 @@ import numpy as np
 from ..recipe import RecipeError
 
 
+def ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
+    """Exponentially weighted moving average; the first observation starts it."""
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
 def _pow2_upto(n: int) -> list[int]:
     out, b = [], 1
     while b < n:
@@ -65,8 +70,7 @@ class ShapePlan:
         return self.latency_s.get((b, length), 1e-6 * b * length)
 
     def observe(self, b: int, length: int, seconds: float, alpha: float = 0.2) -> None:
-        old = self.latency_s.get((b, length))
-        self.latency_s[(b, length)] = seconds if old is None else (1 - alpha) * old + alpha * seconds
+        self.latency_s[(b, length)] = ewma(self.latency_s.get((b, length)), seconds, alpha)
 
     def seconds_per_token(self, length: int | None = None) -> float:
         """Best measured cost (seconds per padded token) over the shapes of this row length, or

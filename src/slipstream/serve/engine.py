@@ -34,7 +34,7 @@ import torch
 
 from ..recipe import RecipeError
 from ..workloads.corpus import PAD_ID
-from .batching import ShapePlan, partition, plan_shapes
+from .batching import ShapePlan, ewma, partition, plan_shapes
 from .compiled import compile_for_serving
 from .metrics import ServeMetrics
 from .model import LoadedModel
@@ -242,6 +242,7 @@ class ScoreEngine:
         """The 503 a score request would get now whatever it holds (draining, queue full, or
         predicted wait over the budget), or None. Lets the HTTP layer refuse before parsing."""
         if not self._started or self.draining:
+            self.metrics.rejections.labels("draining" if self.draining else "not_ready").inc()
             return ServeError(
                 503, "server is not accepting requests (starting or draining); retry shortly", 1.0
             )
@@ -251,21 +252,21 @@ class ScoreEngine:
             return ServeError(
                 503, f"queue full ({self.config.max_queue} waiting); retry later", max(1.0, wait)
             )
-        if wait > self.shed_budget_s:
-            self.metrics.rejections.labels("predicted_wait").inc()
-            return ServeError(
-                503, f"overloaded: predicted queue wait {wait:.3f}s exceeds the budget", max(1.0, wait)
-            )
-        return None
+        return self._refuse_wait(wait, self.shed_budget_s)
+
+    def _refuse_wait(self, wait: float, limit: float) -> ServeError | None:
+        if wait <= limit:
+            return None
+        self.metrics.rejections.labels("predicted_wait").inc()
+        return ServeError(
+            503, f"overloaded: predicted queue wait {wait:.3f}s exceeds the budget", max(1.0, wait)
+        )
 
     async def score(
         self, tokens: list[int] | np.ndarray, timeout_s: float | None = None, token_logprobs: bool = False
     ) -> dict:
         if not self._started or self.draining:
-            self.metrics.rejections.labels("draining" if self.draining else "not_ready").inc()
-            raise ServeError(
-                503, "server is not accepting requests (starting or draining); retry shortly", 1.0
-            )
+            raise self.refusal()
         arr = np.asarray(tokens, dtype=np.int64)
         n = int(arr.shape[0]) if arr.ndim == 1 else -1
         if n < 2:
@@ -283,25 +284,18 @@ class ScoreEngine:
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ServeError(422, "timeout_s must be a positive number of seconds")
         L = self.plan.length_for(n)
-        wait = self.predicted_wait_s()
-        if wait > min(self.shed_budget_s, timeout):
-            self.metrics.rejections.labels("predicted_wait").inc()
-            raise ServeError(
-                503, f"overloaded: predicted queue wait {wait:.3f}s exceeds the budget", max(1.0, wait)
-            )
+        # Draining, queue full, wait over the budget; then this request's own deadline.
+        refused = self.refusal() or self._refuse_wait(self.predicted_wait_s(), timeout)
+        if refused is not None:
+            raise refused
         now = time.monotonic()
         if self._last_arrival is not None:
-            self._gap_s = 0.9 * self._gap_s + 0.1 * (now - self._last_arrival)
+            self._gap_s = ewma(self._gap_s, now - self._last_arrival, alpha=0.1)
         self._last_arrival = now
         cost = L * self.plan.seconds_per_token(L)
         req = _Request(
             arr, L, cost, now, now + timeout, asyncio.get_running_loop().create_future(), token_logprobs
         )
-        if len(self._pending) >= self.config.max_queue:
-            self.metrics.rejections.labels("queue_full").inc()
-            raise ServeError(
-                503, f"queue full ({self.config.max_queue} waiting); retry later", max(1.0, wait)
-            )
         self._pending.append(req)
         self._available.set()
         self._queued_s += cost

@@ -27,6 +27,7 @@ import contextlib
 import heapq
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..workloads.corpus import EOS_ID, PAD_ID
+from .batching import ewma
 from .engine import ServeError
 from .metrics import ServeMetrics
 from .model import LoadedModel
@@ -241,10 +243,9 @@ class Generator:
         self.draining = False
         self._lock = lock or threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-generate")
-        self._pending: asyncio.Queue[_Seq] | None = None
+        self._pending: deque[_Seq] | None = None  # admitted, waiting for a slot (oldest first)
         self._slots: list[_Seq | None] = [None] * self.config.slots
         self._task: asyncio.Task | None = None
-        self._waiting: list[int] = []  # max_new_tokens of each queued request, in queue order
         self._step_s: float | None = None  # EWMA seconds of one decode step (measured)
         self._prefill_s: float | None = None  # EWMA seconds of one prefill (measured)
 
@@ -270,16 +271,16 @@ class Generator:
     async def start(self, warmup: bool = True) -> None:
         if warmup:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.warmup)
-        self._pending = asyncio.Queue(maxsize=self.config.max_queue)
+        self._pending = deque()
         self._task = asyncio.create_task(self._loop(), name="slipstream-generator")
         self.ready = True
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
         self.draining, self.ready = True, False
         deadline = time.monotonic() + timeout_s
-        while (self._active() or (self._pending and self._pending.qsize())) and time.monotonic() < deadline:
+        while (self._active() or self._pending) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        done = not (self._active() or (self._pending and self._pending.qsize()))
+        done = not (self._active() or self._pending)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -305,9 +306,10 @@ class Generator:
         ]  # decode steps until each slot frees
         heapq.heapify(free_at)
         prefill = self._prefill_s or 0.0
-        for n in self._waiting:  # policy-agnostic: static batching only waits longer
-            heapq.heappush(free_at, heapq.heappop(free_at) + n)
-        return free_at[0] * self._step_s + (len(self._waiting) + 1) * prefill
+        waiting = self._pending or ()
+        for seq in waiting:  # policy-agnostic: static batching only waits longer
+            heapq.heappush(free_at, heapq.heappop(free_at) + seq.max_new_tokens)
+        return free_at[0] * self._step_s + (len(waiting) + 1) * prefill
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -361,14 +363,12 @@ class Generator:
                 f"overloaded: predicted wait for a slot {wait:.2f}s exceeds the budget {budget:.2f}s",
                 max(1.0, wait),
             )
-        try:
-            self._pending.put_nowait(seq)
-        except asyncio.QueueFull:
+        if len(self._pending) >= self.config.max_queue:
             self.metrics.rejections.labels("generate_queue_full").inc()
             raise ServeError(
                 503, f"generation queue full ({self.config.max_queue}); retry later", max(1.0, wait)
-            ) from None
-        self._waiting.append(max_new_tokens)
+            )
+        self._pending.append(seq)
         return stream
 
     # -- the loop --------------------------------------------------------------------------------
@@ -380,9 +380,8 @@ class Generator:
             return []  # a static batch runs to its end before the next one is admitted
         out = []
         now = time.monotonic()
-        while free and self._pending.qsize():
-            seq = self._pending.get_nowait()
-            self._waiting.pop(0)
+        while free and self._pending:
+            seq = self._pending.popleft()
             if seq.stream.cancelled:
                 continue
             if now > seq.deadline:
@@ -443,7 +442,7 @@ class Generator:
                 try:
                     t0 = time.perf_counter()
                     logits = await loop.run_in_executor(self._executor, self._prefill, slot, seq)
-                    self._prefill_s = _ewma(self._prefill_s, time.perf_counter() - t0)
+                    self._prefill_s = ewma(self._prefill_s, time.perf_counter() - t0)
                     token = self._sample_one(logits, seq)
                 except Exception as err:  # a failing prefill fails only its own request
                     seq.stream.close("error", ServeError(500, f"prefill failed: {type(err).__name__}: {err}"))
@@ -454,7 +453,7 @@ class Generator:
                 self._emit(slot, seq, token)
             active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
             if not active:
-                if self._pending.qsize() == 0:
+                if not self._pending:
                     await asyncio.sleep(0.002)  # idle: poll for arrivals (bounded latency, no busy loop)
                 continue
             tokens = torch.full((S,), PAD_ID, dtype=torch.long)
@@ -472,7 +471,7 @@ class Generator:
             try:
                 t0 = time.perf_counter()
                 nxt = await loop.run_in_executor(self._executor, self._step, *args)
-                self._step_s = _ewma(self._step_s, time.perf_counter() - t0)
+                self._step_s = ewma(self._step_s, time.perf_counter() - t0)
             except Exception as err:
                 for i, s in active:
                     s.stream.close("error", ServeError(500, f"decode failed: {type(err).__name__}: {err}"))
@@ -483,10 +482,6 @@ class Generator:
             for i, s in active:
                 s.position += 1
                 self._emit(i, s, nxt[i])
-
-
-def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new
 
 
 def generate_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
