@@ -11,3 +11,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def machine_like(monkeypatch):
+    """Make every `auto` see a machine with these matmul figures (never this host's real speed):
+    `machine_like(bf16=0.01)` is an AVX2-only CPU, `machine_like(bf16=4.0)` an AMX one."""
+    from slipstream import machine
+
+    def use(bf16: float, fp16: float = 1.0, compile_ok: bool = True) -> machine.MachineProbe:
+        fp32 = 100e9
+        p = machine.MachineProbe(
+            fingerprint={"cpu_model": "test CPU", "cpu_capability": "TEST", "threads": 1, "torch": "x"},
+            key="test",
+            device="cpu",
+            matmul_flops_per_s={
+                "fp32": {"1024": fp32},
+                "bf16": {"1024": bf16 * fp32},
+                "fp16": {"1024": fp16 * fp32},
+            },
+            matmul_notes={},
+            copy_bytes_per_s={"host_memcpy": 1e10},
+            checks={"compile": machine.Check(compile_ok, "test figures", 1.0)},
+        )
+        monkeypatch.setattr(machine, "probe", lambda *args, **kwargs: p)
+        return p
+
+    return use

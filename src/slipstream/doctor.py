@@ -1,8 +1,13 @@
-"""`slipstream doctor`: what this machine can do, each claim checked by running it."""
+"""`slipstream doctor`: what this machine does fast, measured (the machine probe), and what every
+`auto` decides from it.
+
+Nothing here is inferred from an ISA name: bf16 "runs" on every CPU torch supports, but its
+matmuls are ~75x slower than fp32 on AVX2-only CPUs, ~0.55x on an Intel AVX512-BF16 CPU without
+AMX (while a Zen 4 with the same ISA measured ~4.5x) and ~4x faster on AMX CPUs. The report prints the figures and the verdicts `machine` derives from them.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 import sys
 import time
@@ -11,59 +16,11 @@ from typing import Any
 import torch
 
 
-def _try(fn) -> tuple[bool, str]:
-    try:
-        return True, str(fn() or "ok")
-    except Exception as err:  # doctor reports failures, it never raises them
-        return False, f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-
-
-def _bf16_matmul() -> str:
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    a = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
-    (a @ a).float().sum().item()
-    return dev
-
-
-def _fp16_supported() -> str:
-    if not torch.cuda.is_available():
-        from .precision import cpu_supports_fp16
-
-        if not cpu_supports_fp16():
-            raise RuntimeError("this CPU has no fp16 matmuls; use bf16")
-        return "cpu: runs (with loss scaling), but slower than fp32 on most CPUs; prefer bf16"
-    a = torch.randn(64, 64, device="cuda", dtype=torch.float16)
-    (a @ a).float().sum().item()
-    return "cuda"
-
-
-def _compile_works() -> str:
-    t0 = time.perf_counter()
-    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1)
-    x = torch.randn(16)
-    torch.testing.assert_close(fn(x), torch.sin(x) * 2 + 1)
-    return f"compiled a function in {time.perf_counter() - t0:.1f} s"
-
-
-def _triton() -> str:
-    if importlib.util.find_spec("triton") is None:
-        raise RuntimeError("not installed: pip install 'slipstream[gpu]'")
-    import triton
-
-    where = "GPU" if torch.cuda.is_available() else "CPU only under TRITON_INTERPRET=1"
-    return f"triton {triton.__version__} ({where})"
-
-
 def cpu_model() -> str:
     """The CPU's marketing name where the OS tells it (Linux), else what platform knows."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from .machine import _cpu_identity
+
+    return _cpu_identity()[0]
 
 
 def machine_info() -> dict[str, Any]:
@@ -77,6 +34,7 @@ def machine_info() -> dict[str, Any]:
         if cuda
         else f"cpu ({platform.processor() or platform.machine()})",
         "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -89,21 +47,56 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def diagnose(check_compile: bool = True) -> dict[str, Any]:
-    cuda = torch.cuda.is_available()
+def diagnose(
+    check_compile: bool = True, refresh: bool = False, device: torch.device | str | None = None
+) -> dict[str, Any]:
+    """The doctor report: versions, the machine probe (from the cache unless `refresh`), a verdict
+    per dtype, and the `auto` decisions taken from it. `check_compile=False` skips the
+    torch.compile check (a first compile costs 15-25 s on a 2-core CPU) unless it is cached."""
+    from . import machine
+
+    checks = ("compile", "triton") if check_compile else ("triton",)
+    t0 = time.perf_counter()
+    p = machine.probe(device, refresh=refresh, checks=checks)
+    lookup_s = time.perf_counter() - t0
+    dev = torch.device(p.device)
+    cuda = dev.type == "cuda"
     report: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "cuda_available": cuda,
-        "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({torch.get_num_threads()} threads)",
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda_available": torch.cuda.is_available(),
+        "device": torch.cuda.get_device_name(dev) if cuda else f"cpu ({torch.get_num_threads()} threads)",
+        "cpu": p.fingerprint["cpu_model"],
+        "cpu_capability": p.fingerprint["cpu_capability"],
     }
     if cuda:
-        report["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-        report["fp8_supported"] = torch.cuda.get_device_capability(0) >= (8, 9)
-    checks = {"bf16": _try(_bf16_matmul), "fp16": _try(_fp16_supported), "triton": _try(_triton)}
-    if check_compile:
-        checks["torch.compile"] = _try(_compile_works)
-    report["checks"] = {k: {"ok": ok, "detail": detail} for k, (ok, detail) in checks.items()}
+        capability = torch.cuda.get_device_capability(dev)
+        report["compute_capability"] = ".".join(map(str, capability))
+        report["fp8_supported"] = capability >= (8, 9)
+    report["dtypes"] = {}
+    for dtype in ("fp32", "bf16", "fp16"):
+        pays, verdict = machine.dtype_verdict(p, dtype)
+        ratio, n = p.speed_vs_fp32(dtype)
+        report["dtypes"][dtype] = {
+            "pays": pays,
+            "speed_vs_fp32": ratio,
+            "compared_at_n": n,
+            "verdict": verdict,
+        }
+    report["copy_bytes_per_s"] = dict(p.copy_bytes_per_s)
+    report["checks"] = {
+        name: {"ok": c.ok, "detail": c.detail, "seconds": c.seconds} for name, c in p.checks.items()
+    }
+    report["decisions"] = {
+        d.field: {"choice": d.choice, "reason": d.reason}
+        for d in (machine.decide_precision(dev, p), machine.decide_serve_quantize(dev, p))
+    }
+    report["probe_source"] = "cache" if p.cached else "measured"
+    report["probe_s"] = p.probe_s
+    report["lookup_s"] = lookup_s
+    report["probe_measured_at"] = p.measured_at
+    report["probe_cache_file"] = str(machine.cache_path(p.key))
+    report["summary"] = machine.describe(p)
+    report["probe"] = p.to_dict()
     return report

@@ -41,13 +41,24 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 def resolve_precision(cfg: PrecisionConfig, device: torch.device) -> str:
-    """The dtype actually used: `auto` picks the cheapest the device runs well; unusable choices fail
-    with an error that names the field and the fix."""
+    """The dtype actually used: `auto` is decided by measurement (`resolve_precision_decision`);
+    unusable choices fail with an error that names the field and the fix."""
+    return resolve_precision_decision(cfg, device).choice
+
+
+def resolve_precision_decision(cfg: PrecisionConfig, device: torch.device):
+    """The dtype and why: for `auto`, the machine probe's matmul figures decide (bf16 only where it
+    measured faster than fp32 here: it is ~75x slower on AVX2-only CPUs); an explicit dtype is
+    checked and kept."""
+    from .machine import Decision, decide_precision
+
+    if cfg.dtype == "auto":
+        return decide_precision(device)
+    return Decision("precision.dtype", _checked_dtype(cfg, device), "set in the recipe")
+
+
+def _checked_dtype(cfg: PrecisionConfig, device: torch.device) -> str:
     dtype = cfg.dtype
-    if dtype == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16"  # CPU autocast bf16 uses native bf16 matmuls where the CPU has them (AVX512-BF16, AMX)
     if dtype == "fp16":
         if device.type == "cpu" and not cpu_supports_fp16():
             raise RecipeError(
@@ -63,7 +74,11 @@ def resolve_precision(cfg: PrecisionConfig, device: torch.device) -> str:
             raise RecipeError(
                 f"precision.dtype=fp8 needs compute capability >= 8.9 (this GPU has {major}.{minor}); use bf16"
             )
-    if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if (
+        dtype == "bf16"
+        and device.type == "cuda"
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
         raise RecipeError("precision.dtype=bf16 is not supported by this GPU; use precision.dtype=fp16")
     return dtype
 
@@ -259,4 +274,5 @@ __all__ = [
     "cpu_supports_fp16",
     "parity",
     "resolve_precision",
+    "resolve_precision_decision",
 ]

@@ -64,7 +64,7 @@ def prefetch() -> Recipe:
     return Recipe(name="prefetch", dataflow=DataflowConfig(prefetch=True, prefetch_depth=2, workers=1))
 
 
-DEMO_ORDER = ("baseline", "bf16", "pad-batch", "bucket", "pack", "full")
+DEMO_ORDER = ("baseline", "bf16", "pad-batch", "bucket", "pack", "full", "auto")
 """Recipes `slipstream bench --recipes demo` compares, in this order, where registered."""
 
 
@@ -97,10 +97,24 @@ def resolve_recipe(spec: str | Recipe, overrides: Sequence[str] | None = None) -
 
 @register_preset("full")
 def full() -> Recipe:
-    """Everything that pays on this kind of machine: packed rows, bf16, fused kernels.
+    """Packed rows, fused kernels, and the cheapest dtype that measured faster here (precision auto:
+    bf16 on AMX CPUs and GPUs, fp32 on AVX2-only CPUs where bf16 matmuls are ~75x slower).
 
     torch.compile is left off: on a 2-core CPU it measured within noise of eager for this model
     (3.84x vs 3.67x baseline, `slipstream bench`) while costing 14-24 s of compile per run."""
     return replace(
-        pack(), name="full", precision=PrecisionConfig(dtype="bf16"), kernels=KernelsConfig(ops="auto")
+        pack(), name="full", precision=PrecisionConfig(dtype="auto"), kernels=KernelsConfig(ops="auto")
+    )
+
+
+@register_preset("auto")
+def auto() -> Recipe:
+    """Every choice decided on this machine and model: shapes by timing bucket against pack on the
+    model, precision by the machine probe, fused kernels where they pay. Each decision and its
+    reason land in the metrics (`decisions`)."""
+    return Recipe(
+        name="auto",
+        shapes=ShapesConfig(mode="auto"),
+        precision=PrecisionConfig(dtype="auto"),
+        kernels=KernelsConfig(ops="auto"),
     )

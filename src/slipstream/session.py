@@ -30,8 +30,9 @@ from torch import nn
 from . import precision as _precision
 from .compile import apply_activation_checkpointing, apply_compile, apply_cudagraphs, compile_stats
 from .dataflow import PrefetchLoader, SampleLoader
+from .machine import Decision
 from .metrics import MetricsSummary, MetricsTracker
-from .precision import LossScaler, resolve_precision
+from .precision import LossScaler, resolve_precision, resolve_precision_decision
 from .recipe import KernelsConfig, OptimizerConfig, Recipe, RecipeError
 from .shapes.loader import ShapedLoader
 
@@ -70,6 +71,19 @@ def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) ->
 
     report = kernels.apply_kernels(model, cfg.ops, device)
     return {"kernels_swapped": dict(report.swapped), "kernels_backend": report.backend}
+
+
+def _kernels_decision(swapped: dict[str, object], device: torch.device) -> Decision:
+    ops = sorted(swapped.get("kernels_swapped", {}))  # type: ignore[arg-type]
+    if device.type == "cuda":
+        why = "Triton kernels for every op this model has (fewer launches, no logits tensor)"
+    else:
+        # On CPU the other fused ops would run torch's own op under another name: nothing to gain.
+        why = (
+            "CPU: only ops whose torch path beats what they replace; linear_cross_entropy never builds "
+            "the logits (0.065x peak memory, benchmarks/kernels.py memory)"
+        )
+    return Decision("kernels.ops", ",".join(ops) or "none", why)
 
 
 def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -115,14 +129,31 @@ def _accepts_document_ids(model: nn.Module) -> bool:
 
 
 class Session:
-    def __init__(self, recipe: Recipe | None = None):
+    def __init__(self, recipe: Recipe | str | None = None):
+        """`recipe`: a Recipe, a preset name ("bf16"), a recipe file ("my.toml") or a spec
+        ("baseline+shapes.mode=bucket"); None is the default Recipe()."""
+        import os
+
+        if isinstance(recipe, (str, os.PathLike)):
+            from .presets import resolve_recipe
+
+            recipe = resolve_recipe(os.fspath(recipe))
+        elif recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(
+                f"Session(recipe) takes a Recipe, a preset name ('bf16'), a recipe file path or a "
+                f"'preset+section.field=value' spec, not {type(recipe).__name__} {recipe!r}"
+            )
         self.recipe = recipe if recipe is not None else Recipe()
         self.device = resolve_device(self.recipe.runtime.device)
-        self.precision = resolve_precision(self.recipe.precision, self.device)
+        decision = resolve_precision_decision(self.recipe.precision, self.device)
+        self.precision = decision.choice
         seed_everything(self.recipe.runtime.seed, self.recipe.runtime.deterministic)
         self.tracker = MetricsTracker(self.device, self.precision)
+        self.decisions: dict[str, dict[str, str]] = {}
+        """Every `auto` this session resolved: field -> {choice, reason} (also in metrics)."""
         if self.recipe.precision.dtype == "auto":
             self.tracker.extra["precision_auto_choice"] = self.precision
+            self.record(decision)
         self.scaler: LossScaler | None = None
         if self.precision == "fp16":
             self.scaler = LossScaler(self.device, self.recipe.precision)
@@ -141,7 +172,10 @@ class Session:
         holds the same parameters under the same state_dict keys."""
         cfg = self.recipe.compile
         model = model.to(self.device)
-        self.tracker.extra.update(apply_kernels(model, self.recipe.kernels, self.device))
+        swapped = apply_kernels(model, self.recipe.kernels, self.device)
+        self.tracker.extra.update(swapped)
+        if self.recipe.kernels.ops == "auto":
+            self.record(_kernels_decision(swapped, self.device))
         if self.precision == "fp8":
             self.tracker.extra.update(_precision.apply_fp8(model))
         wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
@@ -155,7 +189,11 @@ class Session:
 
     def build_optimizer(self, model: nn.Module, total_steps: int | None = None) -> torch.optim.Optimizer:
         """The recipe's optimizer over `model`, already prepared (schedule over `total_steps`)."""
-        self.tracker.extra["optimizer_impl"] = resolve_optimizer_impl(self.recipe.optimizer, self.device)
+        impl = resolve_optimizer_impl(self.recipe.optimizer, self.device)
+        self.tracker.extra["optimizer_impl"] = impl
+        if self.recipe.optimizer.impl == "auto":
+            why = "one fused kernel for all parameters on CUDA" if impl == "fused" else "torch's default"
+            self.record(Decision("optimizer.impl", impl, why))
         optimizer = build_optimizer(model, self.recipe.optimizer, self.device)
         return self.prepare_optimizer(optimizer, total_steps)
 
@@ -188,12 +226,18 @@ class Session:
         from dataclasses import replace
 
         cfg = self.recipe.shapes
-        if cfg.mode in ("pack", "auto"):
-            cfg = replace(cfg, mode=self._resolve_packing(cfg.mode))
         if tokens_per_batch is not None:
             cfg = replace(cfg, tokens_per_batch=tokens_per_batch)
         if max_len is not None:
             cfg = replace(cfg, max_len=max_len)
+        if cfg.mode == "pack":
+            self._check_packing()
+        elif cfg.mode == "auto":
+            if "shapes.mode" not in self.decisions:  # decided once per session, then reused
+                decision = self._decide_shape_mode(sequences, cfg, pad_id=pad_id, lengths=lengths)
+                self.tracker.extra["shape_mode_auto_choice"] = decision.choice
+                self.record(decision)
+            cfg = replace(cfg, mode=self.decisions["shapes.mode"]["choice"])
         flow = self.recipe.dataflow
         loader = ShapedLoader(
             sequences,
@@ -253,18 +297,47 @@ class Session:
             return loader
         return PrefetchLoader(loader, flow.prefetch_depth, device=self.device, on_batch=self.tracker.on_batch)
 
-    def _resolve_packing(self, mode: str) -> str:
-        """pack needs a model that masks attention by document; auto falls back to bucket (recorded)."""
-        accepts = self.model is None or _accepts_document_ids(self.model)
-        if mode == "pack" and not accepts:
+    def _check_packing(self) -> None:
+        if self.model is not None and not _accepts_document_ids(self.model):
             raise RecipeError(
                 f"shapes.mode=pack needs a model whose forward takes document_ids, and "
                 f"{type(self.model).__name__}.forward does not; use shapes.mode=bucket (or auto)"
             )
-        chosen = "pack" if accepts else "bucket"
-        if mode == "auto":
-            self.tracker.extra["shape_mode_auto_choice"] = chosen
-        return chosen
+
+    def _decide_shape_mode(self, sequences: Sequence, cfg, *, pad_id: int, lengths) -> Decision:
+        """shapes.mode=auto: pack or bucket, by timing both on this model (see slipstream.trial)."""
+        from dataclasses import replace
+
+        from .trial import TrialError, time_loader
+
+        if self.model is None:
+            return Decision("shapes.mode", "pack", "model not prepared before the loader: not measured")
+        if not _accepts_document_ids(self.model):
+            return Decision(
+                "shapes.mode", "bucket", f"{type(self.model).__name__}.forward takes no document_ids"
+            )
+        model = getattr(self.model, "_orig_mod", self.model)  # eager: a trial must not compile
+        speeds = {}
+        try:
+            for mode in ("bucket", "pack"):
+                loader = ShapedLoader(
+                    sequences, replace(cfg, mode=mode), seed=self.recipe.runtime.seed,
+                    device=self.device, pad_id=pad_id, lengths=lengths,
+                )  # fmt: skip
+                speeds[mode] = time_loader(model, loader, self.autocast, self.device)
+        except TrialError as err:
+            return Decision("shapes.mode", "pack", f"not measured ({err})")
+        choice = max(speeds, key=lambda m: speeds[m].real_tokens_per_s)
+        figures = ", ".join(
+            f"{m} {t.real_tokens_per_s:,.0f} real tok/s ({t.shapes} shapes)" for m, t in speeds.items()
+        )
+        spent = sum(t.seconds for t in speeds.values())
+        return Decision("shapes.mode", choice, f"measured on this model in {spent:.1f} s: {figures}")
+
+    def record(self, decision: Decision) -> None:
+        """Keep an `auto` decision and its reason (metrics()'s extra["decisions"])."""
+        self.decisions[decision.field] = {"choice": decision.choice, "reason": decision.reason}
+        self.tracker.extra["decisions"] = self.decisions
 
     # -- the step -------------------------------------------------------------------------------
 

@@ -87,3 +87,50 @@ def test_cli_bench_writes_json_and_report(tmp_path):
     )
     assert code == 0 and rep.exists() and rep.with_suffix(".md").exists()
     jsonschema.validate(json.loads(out.read_text()), SCHEMA)
+
+
+def test_parity_is_judged_against_the_seed_band_measured_in_the_run(result):
+    from slipstream.bench.runner import judge_parity, noise_band
+
+    m = result["method"]
+    assert len(m["parity_noise_val_losses"]) == 3  # the reference and two re-runs with other seeds
+    assert m["parity_noise_band"] == pytest.approx(noise_band(m["parity_noise_val_losses"]))
+    assert m["parity_tolerance"] == max(m["parity_noise_band"], m["parity_floor"])
+    assert noise_band([3.0, 3.06, 2.94]) == pytest.approx(0.04)
+    assert judge_parity(3.05, 3.0, 0.02, 0.002)[0] == "pass"
+    assert judge_parity(3.07, 3.0, 0.02, 0.002)[0] == "fail"
+    assert judge_parity(float("nan"), 3.0, 0.02, 0.002)[0] == "fail"
+    assert judge_parity(3.001, 3.0, 0.0, 0.002)[0] == "pass"  # the floor when seeds land together
+
+
+def test_every_contender_trains_on_the_references_real_tokens_per_step():
+    from slipstream.bench.runner import RecipeContender, real_tokens_per_step
+    from slipstream.workloads import get_workload
+
+    data = get_workload("gpt-stdlib").load_data()
+    spec = "baseline+shapes.max_len=256+shapes.tokens_per_batch=2048"
+    ref = RecipeContender(spec, "gpt-stdlib", "tiny", data, 1, __import__("slipstream").resolve_recipe(spec))
+    target = real_tokens_per_step(ref.loader)
+    pack_spec = "pack+shapes.max_len=256+shapes.tokens_per_batch=2048"
+    unmatched = RecipeContender(pack_spec, "gpt-stdlib", "tiny", data, 1, ref.recipe)
+    matched = RecipeContender(pack_spec, "gpt-stdlib", "tiny", data, 1, ref.recipe, real_tokens_per_step=target)
+    assert real_tokens_per_step(unmatched.loader) > 1.1 * target  # packing fills rows: fuller steps
+    assert real_tokens_per_step(matched.loader) == pytest.approx(target, rel=0.05)
+
+
+def test_a_dtype_the_probe_measured_far_slower_is_skipped_with_the_figures(machine_like):
+    machine_like(bf16=0.0133)  # an AVX2-only CPU: bf16 0.8 vs fp32 60 GFLOP/s
+    res = run_bench(
+        "gpt-stdlib",
+        ["baseline" + SMALL, "bf16" + SMALL],
+        size="tiny",
+        rounds=1,
+        round_tokens=300,
+        warmup_steps=1,
+        val_batches=1,
+        memory="skip",
+        noise_seeds=0,
+    )
+    assert [c.name for c in res.contenders] == ["baseline" + SMALL]
+    why = res.skipped["bf16" + SMALL]
+    assert "GFLOP/s" in why and "--all-dtypes" in why

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipstream import machine
 from slipstream.profile import CaptureConfig, analyze, capture_script, mark_step
 from slipstream.profile import capture as capture_mod
-from slipstream.profile.analyze import locate, time_breakdown
+from slipstream.profile.analyze import find_fp32_matmuls, locate, time_breakdown
 from slipstream.profile.capture import Capture, CompileRecord, Event
 from slipstream.profile.cli import main
 from slipstream.recipe import RecipeError
@@ -41,6 +42,26 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def fed_probe(bf16_vs_fp32: float) -> machine.MachineProbe:
+    """Probe figures fed in, so no test depends on this host's real bf16 speed."""
+    fp32 = 119e9
+    return machine.MachineProbe(
+        fingerprint={"cpu_model": "test CPU", "cpu_capability": "AVX512", "threads": 1, "torch": "x"},
+        key="test",
+        device="cpu",
+        matmul_flops_per_s={"fp32": {"1024": fp32}, "bf16": {"1024": fp32 * bf16_vs_fp32}},
+        matmul_notes={},
+        copy_bytes_per_s={"host_memcpy": 1e10},
+    )
+
+
+@pytest.fixture(autouse=True)
+def _bf16_does_not_pay(monkeypatch):
+    """The scripts are profiled as on an AVX512-BF16 CPU without AMX (bf16 0.55x fp32): the
+    fp32-matmul advice stays silent, so each test sees only its planted problem on any host."""
+    monkeypatch.setattr(machine, "probe", lambda device=None, **kw: fed_probe(0.55))
 
 
 def profiled(script: str, config: CaptureConfig = FAST):
@@ -158,7 +179,7 @@ def test_cli_writes_json_and_trace(tmp_path, capsys):
     doc = json.loads(out.read_text())
     for key in ("schema", "source", "device", "mode", "schedule", "step_time_s", "overhead", "breakdown"):
         assert key in doc
-    assert doc["schema"] == "slipstream.profile/1"
+    assert doc["schema"] == "slipstream.profile/2"
     assert doc["source"]["argv"][0].endswith("sync_item.py")
     finding = doc["findings"][0]
     assert set(finding) >= {"kind", "severity", "share_of_step", "where", "fix", "title", "evidence"}
@@ -193,10 +214,48 @@ def test_too_few_steps_says_how_to_fix(tmp_path):
 # ----------------------------------------------------------------------------- analyzers on plain data
 
 
-def _capture(events: list[Event], windows: list[tuple[float, float]]) -> Capture:
+def _capture(events: list[Event], windows: list[tuple[float, float]], bf16_pays: bool = True) -> Capture:
     return Capture(
-        config=FAST, source={}, device="cpu", bf16_supported=True, events=events, step_windows_us=windows
+        config=FAST,
+        source={},
+        device="cpu",
+        bf16_pays=bf16_pays,
+        bf16_verdict="bf16 476.0 GFLOP/s vs fp32 119.0 GFLOP/s at 1024^2 (4.00x): used by auto",
+        events=events,
+        step_windows_us=windows,
     )
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_fp32_matmul_advice_only_where_bf16_pays(pays):
+    events = [
+        Event("aten::mm", 0, 40, 1, "cpu", "op", input_dtypes=("float", "float")),
+        Event("aten::add", 40, 100, 1, "cpu", "op", input_dtypes=("float", "float")),
+    ]
+    findings = find_fp32_matmuls(_capture(events, [(0, 100)], bf16_pays=pays))
+    if not pays:
+        assert findings == []
+        return
+    (finding,) = findings
+    assert (finding.kind, finding.severity) == ("fp32_matmul", "warning")
+    assert finding.share_of_step == pytest.approx(0.4)
+    assert "4.00x" in finding.detail and "GFLOP/s" in finding.evidence["bf16_verdict"]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "pays"), [(4.0, True), (0.55, False), (0.8e9 / 60.5e9, False), (1.1, False)]
+)
+def test_capture_reads_whether_bf16_pays_from_the_probe(monkeypatch, ratio, pays):
+    monkeypatch.setattr(machine, "probe", lambda device=None, **kw: fed_probe(ratio))
+    got, verdict = capture_mod.bf16_verdict("cpu")
+    assert got is pays
+    assert f"({ratio:.2f}x)" in verdict and "fp32 119.0 GFLOP/s" in verdict
+
+
+def test_a_profile_records_the_probe_verdict():
+    cap = profiled("clean.py").capture
+    assert cap.bf16_pays is False
+    assert "(0.55x): not used" in cap.bf16_verdict
 
 
 def test_breakdown_gives_overlaps_to_the_higher_priority_category():

@@ -1,9 +1,12 @@
 """Peers measured in the same run, on the same model, data and real-token budget.
 
-- `diy`: what a careful user writes by hand — pad each batch to its longest row, bf16 autocast,
-  torch.compile, a plain loop (no slipstream Session).
-- `accelerate`: HF Accelerate with mixed_precision="bf16" over the same pad-to-batch-max batches.
-- `lightning`: PyTorch Lightning with precision="bf16-mixed" over the same batches.
+- `diy`: what a careful user writes by hand — pad each batch to its longest row, bf16 autocast
+  where it pays, torch.compile, a plain loop (no slipstream Session).
+- `accelerate`: HF Accelerate (mixed_precision="bf16" where it pays) over the same batches.
+- `lightning`: PyTorch Lightning (precision="bf16-mixed" where it pays) over the same batches.
+
+"Where it pays" is the machine probe's verdict (slipstream.machine.decide_precision): a careful
+user does not turn on bf16 on a CPU where its matmuls are 75x slower than fp32's.
 
 Peers live behind the optional `peers` extra; one that cannot be built raises PeerUnavailable and
 the report says why instead of failing the whole benchmark.
@@ -11,6 +14,7 @@ the report says why instead of failing the whole benchmark.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import time
@@ -22,7 +26,20 @@ import torch
 from ..recipe import Recipe
 from ..shapes.loader import ShapedLoader
 from ..train import evaluate
-from .runner import Contender, LoopContender, RoundStats, _sync
+from .runner import Contender, LoopContender, RoundStats, _sync, matched_loader
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 class PeerUnavailable(RuntimeError):
@@ -31,25 +48,47 @@ class PeerUnavailable(RuntimeError):
 
 class _PeerBase(Contender):
     kind = "peer"
-    precision = "bf16"
 
-    def __init__(self, workload: str, size: str, data, reference: Recipe, val_batches: int):
-        from ..session import Session
+    def __init__(
+        self,
+        workload: str,
+        size: str,
+        data,
+        reference: Recipe,
+        val_batches: int,
+        real_tokens_per_step: float | None = None,
+    ):
+        from ..machine import decide_precision
+        from ..session import Session, resolve_device
         from ..workloads import get_workload
 
+        # A careful user picks bf16 only where it pays: the peers take the probe's verdict too.
+        device = resolve_device(reference.runtime.device)
+        self.precision_decision = decide_precision(device)
+        self.precision = "bf16" if self.precision_decision.choice == "bf16" else "fp32"
         # The same shapes budget and optimizer settings as the reference recipe, padded per batch.
         self.recipe = replace(reference, shapes=replace(reference.shapes, mode="pad_batch"))
-        self.helper = Session(replace(self.recipe, precision=replace(self.recipe.precision, dtype="bf16")))
+        self.helper = Session(
+            replace(self.recipe, precision=replace(self.recipe.precision, dtype=self.precision))
+        )
         self.device = self.helper.device
         self.model = get_workload(workload).model(size, self.recipe.shapes.max_len).to(self.device)
-        self.loader = ShapedLoader(
-            data.train,
-            self.recipe.shapes,
-            seed=self.recipe.runtime.seed,
-            device=self.device,
-            pad_id=data.pad_id,
-            lengths=data.train_lengths,
-        )
+
+        def loader(tokens_per_batch: int | None) -> ShapedLoader:
+            shapes = self.recipe.shapes
+            if tokens_per_batch is not None:
+                shapes = replace(shapes, tokens_per_batch=tokens_per_batch)
+            return ShapedLoader(
+                data.train,
+                shapes,
+                seed=self.recipe.runtime.seed,
+                device=self.device,
+                pad_id=data.pad_id,
+                lengths=data.train_lengths,
+            )
+
+        shapes = self.recipe.shapes
+        self.loader = matched_loader(loader, shapes.tokens_per_batch, real_tokens_per_step, shapes.max_len)
         self.batches = self.loader.forever()
         self.val_loader = ShapedLoader(
             data.validation,
@@ -71,7 +110,16 @@ class _PeerBase(Contender):
         return evaluate(self.model, self.val_loader, self.helper, self.val_batches)
 
     def info(self) -> dict[str, Any]:
-        return {"distinct_shapes": len(self.shapes_seen)}
+        return {
+            "distinct_shapes": len(self.shapes_seen),
+            "precision_reason": self.precision_decision.reason,
+        }
+
+    def autocast(self):
+        """bf16 autocast where the probe says it pays; nothing otherwise (fp32)."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
 
 class DIYPeer(_PeerBase, LoopContender):
@@ -85,7 +133,7 @@ class DIYPeer(_PeerBase, LoopContender):
         self.step_fn = torch.compile(self.model)
 
     def train_step(self, batch) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+        with self.autocast():
             loss = self.step_fn(**batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip)
@@ -103,7 +151,8 @@ class AcceleratePeer(_PeerBase, LoopContender):
         super().__init__(*args)
         from accelerate import Accelerator
 
-        self.accelerator = Accelerator(mixed_precision="bf16", cpu=self.device.type == "cpu")
+        mixed = "bf16" if self.precision == "bf16" else "no"
+        self.accelerator = Accelerator(mixed_precision=mixed, cpu=self.device.type == "cpu")
         self.model, self.optimizer = self.accelerator.prepare(self.model, self._optimizer())
 
     def train_step(self, batch) -> torch.Tensor:
@@ -148,8 +197,13 @@ class LightningPeer(_PeerBase):
 
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 peer._record(outputs["loss"].detach(), batch)
-                if (peer._budget is not None and peer._real >= peer._budget) or (
-                    peer._max_steps is not None and peer._steps >= peer._max_steps
+                out_of_time = (
+                    peer._max_seconds is not None and time.perf_counter() - peer._t0 >= peer._max_seconds
+                )
+                if (
+                    (peer._budget is not None and peer._real >= peer._budget)
+                    or (peer._max_steps is not None and peer._steps >= peer._max_steps)
+                    or out_of_time
                 ):
                     trainer.should_stop = True
 
@@ -164,8 +218,11 @@ class LightningPeer(_PeerBase):
         self._steps += 1
         self.shapes_seen.add(tuple(batch["inputs"]["input_ids"].shape))
 
-    def run_round(self, real_token_budget: int | None, max_steps: int | None = None) -> RoundStats:
+    def run_round(
+        self, real_token_budget: int | None, max_steps: int | None = None, max_seconds: float | None = None
+    ) -> RoundStats:
         self._t0, self._budget, self._max_steps = None, real_token_budget, max_steps
+        self._max_seconds = max_seconds
         self._real = self._padded = self._steps = 0
         self._losses: list[torch.Tensor] = []
         batches = self.batches
@@ -177,28 +234,24 @@ class LightningPeer(_PeerBase):
                 for b in batches:
                     yield {"inputs": dict(b), "real_tokens": b.real_tokens, "padded_tokens": b.padded_tokens}
 
-        trainer = self.L.Trainer(
-            accelerator="gpu" if self.device.type == "cuda" else "cpu",
-            devices=1,
-            precision="bf16-mixed",
-            max_steps=-1,
-            max_epochs=1,
-            gradient_clip_val=self.recipe.optimizer.grad_clip,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[self.callback],
-        )
-        loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
-        # Lightning announces devices and tips on every fit; keep the benchmark's output readable.
-        log = logging.getLogger("lightning.pytorch")
-        level = log.level
-        log.setLevel(logging.WARNING)
-        try:
+        # Lightning announces devices, precision and tips on every Trainer and fit; keep the
+        # benchmark's output to its own progress lines (levels restored afterwards).
+        with _quiet_loggers("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
+            trainer = self.L.Trainer(
+                accelerator="gpu" if self.device.type == "cuda" else "cpu",
+                devices=1,
+                precision="bf16-mixed" if self.precision == "bf16" else "32-true",
+                max_steps=-1,
+                max_epochs=1,
+                gradient_clip_val=self.recipe.optimizer.grad_clip,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[self.callback],
+            )
+            loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
             trainer.fit(self.module, loader)
-        finally:
-            log.setLevel(level)
         _sync(self.device)
         seconds = time.perf_counter() - (self._t0 or time.perf_counter())
         return RoundStats(

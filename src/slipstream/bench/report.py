@@ -58,10 +58,47 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_row(*row)
     console = Console(width=None if Console().is_terminal else 200)
     console.print(table)
-    for peer, why in result["skipped"].items():
-        console.print(f"[yellow]peer {peer} not run: {why}[/yellow]")
+    for name, why in result["skipped"].items():
+        console.print(f"[yellow]{name} not run: {why}[/yellow]")
     for w in result["warnings"]:
         console.print(f"[yellow]warning: {w}[/yellow]")
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """The verdict in words: the parity band, and what `auto` picked against the fixed recipes and
+    the peers (when an `auto` contender ran)."""
+    m = result["method"]
+    out = []
+    if "parity_noise_band" in m:
+        losses = ", ".join(f"{v:.4f}" for v in m["parity_noise_val_losses"])
+        out.append(
+            f"parity: pass when the val-loss gap is <= {m['parity_tolerance']:.2%} (seed noise band "
+            f"{m['parity_noise_band']:.2%} from reference runs {losses}; floor {m['parity_floor']:.2%})"
+        )
+    cs = result["contenders"]
+    auto = next((c for c in cs if c["name"].split("+")[0] == "auto"), None)
+    if auto is None:
+        return out
+    picks = (
+        ", ".join(f"{d['field']}={d['choice']}" for d in (auto["info"].get("decisions_list") or []))
+        or "see info.decisions"
+    )
+    fixed = [c for c in cs if c["kind"] == "recipe" and c is not auto and c["parity"] != "fail"]
+    peers = [c for c in cs if c["kind"] == "peer"]
+    line = f"auto picked {picks}: {auto['speedup']:.2f}x baseline"
+    if fixed:
+        best = max(fixed, key=lambda c: c["real_tokens_per_s"])
+        line += f", {auto['real_tokens_per_s'] / best['real_tokens_per_s']:.2f}x the fastest fixed recipe ({best['name']})"
+    if peers:
+        best = max(peers, key=lambda c: c["real_tokens_per_s"])
+        line += f", {auto['real_tokens_per_s'] / best['real_tokens_per_s']:.2f}x the fastest peer ({best['name']})"
+    out.append(line + f"; parity {auto['parity']}")
+    return out
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    for line in summary_lines(result):
+        print(line)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -78,6 +115,7 @@ def markdown(result: dict[str, Any]) -> str:
         "|" + "---|" * len(head),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows(result)]
+    lines += ["", *summary_lines(result)]
     for peer, why in result["skipped"].items():
         lines.append(f"\nPeer `{peer}` not run: {why}")
     for w in result["warnings"]:

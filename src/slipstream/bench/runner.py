@@ -11,6 +11,7 @@ Method (torch.utils.benchmark / MLPerf style):
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -107,8 +108,11 @@ class Contender(ABC):
     precision = "fp32"
 
     @abstractmethod
-    def run_round(self, real_token_budget: int | None, max_steps: int | None = None) -> RoundStats:
-        """Train until `real_token_budget` real tokens (or `max_steps` steps) are consumed."""
+    def run_round(
+        self, real_token_budget: int | None, max_steps: int | None = None, max_seconds: float | None = None
+    ) -> RoundStats:
+        """Train until `real_token_budget` real tokens (or `max_steps` steps) are consumed, or
+        `max_seconds` have passed (a round is never cut before its first step)."""
 
     @abstractmethod
     def validation_loss(self) -> float:
@@ -136,14 +140,18 @@ class LoopContender(Contender):
     def round_mark(self) -> int:
         return 0
 
-    def run_round(self, real_token_budget: int | None, max_steps: int | None = None) -> RoundStats:
+    def run_round(
+        self, real_token_budget: int | None, max_steps: int | None = None, max_seconds: float | None = None
+    ) -> RoundStats:
         real = padded = steps = 0
         losses: list[torch.Tensor] = []  # kept on the device until the round ends: no sync per step
         mark = self.round_mark()
         _sync(self.device)
         t0 = time.perf_counter()
-        while (real_token_budget is None or real < real_token_budget) and (
-            max_steps is None or steps < max_steps
+        while (
+            (real_token_budget is None or real < real_token_budget)
+            and (max_steps is None or steps < max_steps)
+            and (max_seconds is None or steps == 0 or time.perf_counter() - t0 < max_seconds)
         ):
             batch = next(self.batches)
             self.shapes_seen.add(batch.shape)
@@ -170,8 +178,19 @@ def _sync(device: torch.device) -> None:
 class RecipeContender(LoopContender):
     """A recipe run through Session: the way a slipstream user trains."""
 
-    def __init__(self, spec: str, workload: str, size: str, data, val_batches: int, reference: Recipe):
-        self.name = spec
+    def __init__(
+        self,
+        spec: str,
+        workload: str,
+        size: str,
+        data,
+        val_batches: int,
+        reference: Recipe,
+        *,
+        real_tokens_per_step: float | None = None,
+        name: str | None = None,
+    ):
+        self.name = name or spec
         self.recipe: Recipe = resolve_recipe(spec)
         self.spec = spec
         self.session = Session(self.recipe)
@@ -179,7 +198,14 @@ class RecipeContender(LoopContender):
         wl = get_workload(workload)
         self.model = self.session.prepare_model(wl.model(size, self.recipe.shapes.max_len))
         self.optimizer = self.session.build_optimizer(self.model)
-        self.loader = self.session.prepare_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
+
+        def loader(tokens_per_batch: int | None):
+            return self.session.prepare_loader(
+                data.train, tokens_per_batch, lengths=data.train_lengths, pad_id=data.pad_id
+            )
+
+        shapes = self.recipe.shapes
+        self.loader = matched_loader(loader, shapes.tokens_per_batch, real_tokens_per_step, shapes.max_len)
         self.batches = self.loader.forever()
         self.val_loader = ShapedLoader(
             data.validation,
@@ -218,23 +244,50 @@ class RecipeContender(LoopContender):
         }
 
 
-def measure_peak_matmul_flops(device: torch.device, n: int = 1024, repeats: int = 5) -> dict[str, float]:
-    """Best-of-N dense matmul FLOP/s per dtype on this device: the denominator of MFU."""
-    out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        a @ b
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            a @ b
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        out[name] = 2 * n**3 / best
-    out["fp16"] = out["bf16"]
-    return out
+def real_tokens_per_step(loader) -> float:
+    """Mean real tokens per batch over the loader's first epoch (plans only, no tensors)."""
+    plans = loader.plans(epoch=0)
+    real = sum(len(seq) for plan in plans for row in plan.rows for seq in row)
+    return real / max(len(plans), 1)
+
+
+MATCH_TOLERANCE = 0.05
+"""Real tokens per step may differ from the reference's by this fraction before the token budget
+per batch is rescaled."""
+
+
+def matched_loader(
+    build: Callable[[int | None], Any], tokens_per_batch: int, target: float | None, min_tokens: int = 1
+):
+    """A loader whose batches carry `target` real tokens on average (within MATCH_TOLERANCE).
+
+    Shape policies pad differently, so the same positions per batch hold different real tokens per
+    optimizer step; comparing them as is would compare different training (fewer, fuller steps).
+    The budget is rescaled by the measured ratio and the loader rebuilt, at most three times; it never
+    goes below `min_tokens` (one full row), so a tiny target may stay above it."""
+    loader = build(None)
+    if target is None:
+        return loader
+    for _ in range(3):
+        have = real_tokens_per_step(loader)
+        if abs(have - target) <= MATCH_TOLERANCE * target:
+            break
+        scaled = max(min_tokens, round(tokens_per_batch * target / have))
+        if scaled == tokens_per_batch:
+            break
+        tokens_per_batch = scaled
+        loader = build(tokens_per_batch)
+    return loader
+
+
+def peak_flops_from_probe(device: torch.device) -> dict[str, float]:
+    """The MFU denominator per dtype: the best matmul rate the machine probe measured (cached).
+    A dtype the probe could not measure falls back to fp32's figure."""
+    from ..machine import probe
+
+    p = probe(device)
+    fp32 = p.peak_flops("fp32") or 1.0
+    return {d: p.peak_flops(d) or fp32 for d in ("fp32", "bf16", "fp16")}
 
 
 def peak_memory_in_subprocess(spec: str, workload: str, size: str, steps: int = 2) -> tuple[int | None, str]:
@@ -263,6 +316,49 @@ def _iqr(values: list[float]) -> float:
     return float(q75 - q25)
 
 
+def noise_band(reference_losses: list[float]) -> float:
+    """The largest relative gap between any two runs of the reference recipe that differ only in
+    seed (model init and data order): how far apart "the same training" lands on this run."""
+    vals = [v for v in reference_losses if math.isfinite(v)]
+    if len(vals) < 2:
+        return 0.0
+    mean = sum(vals) / len(vals)
+    return (max(vals) - min(vals)) / mean if mean else 0.0
+
+
+def judge_parity(val: float, ref_val: float, band: float, floor: float) -> tuple[str, float, float]:
+    """(verdict, gap, allowed): pass when the validation-loss gap to the reference is within the
+    seed noise band measured in this run (never below `floor`); a non-finite loss fails."""
+    allowed = max(band, floor)
+    if not math.isfinite(val):
+        return "fail", math.inf, allowed
+    gap = abs(val - ref_val) / ref_val if ref_val else 0.0
+    return ("pass" if gap <= allowed else "fail"), gap, allowed
+
+
+def dtype_skip_reason(recipe: Recipe) -> str | None:
+    """Why a recipe that asks for a cheaper dtype is not worth running here (None: run it).
+
+    Only an explicit bf16/fp16 is checked: `auto` already decides by the probe."""
+    from ..machine import dtype_verdict, probe
+    from ..session import resolve_device
+
+    dtype = recipe.precision.dtype
+    if dtype not in ("bf16", "fp16"):
+        return None
+    p = probe(resolve_device(recipe.runtime.device))
+    ratio, _ = p.speed_vs_fp32(dtype)
+    if ratio is not None and ratio >= 1.0 / SLOW_DTYPE_FACTOR:
+        return None
+    return f"{dtype_verdict(p, dtype)[1]}; pass --all-dtypes to run it anyway"
+
+
+SLOW_DTYPE_FACTOR = 4.0
+"""A contender whose dtype's matmuls measured this many times slower than fp32 is skipped (with the
+probe's figures as the reason) unless asked for: on an AVX2 CPU bf16 is ~75x slower and would hold
+the whole benchmark for half an hour to prove what the probe measured in a second."""
+
+
 def run_bench(
     workload: str = "gpt-stdlib",
     recipes: list[str] | None = None,
@@ -274,10 +370,22 @@ def run_bench(
     val_batches: int = 4,
     peers: list[str] | None = None,
     memory: str = "auto",
-    parity_tolerance: float = 0.05,
+    parity_floor: float = 0.002,
+    noise_seeds: int = 2,
+    match_steps: bool = True,
+    all_dtypes: bool = False,
+    max_round_s: float | None = None,
+    real_tokens_per_step_target: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
-    """Benchmark recipes (and peers) side by side; the first contender is the reference."""
+    """Benchmark recipes (and peers) side by side; the first contender is the reference.
+
+    With `match_steps` every contender's batches carry the reference's real tokens per optimizer
+    step (its token budget per batch is rescaled), so equal real-token budgets mean equal steps and
+    the validation losses compare the same training. Parity is judged against the spread of
+    `noise_seeds` extra runs of the reference with other seeds (see `noise_band`).
+    `real_tokens_per_step_target` sets the matched figure instead of taking the first contender's
+    (optimize does, so that every stage trains like its original reference)."""
     from .peers import PEERS, PeerUnavailable
 
     say = progress or (lambda msg: None)
@@ -285,7 +393,12 @@ def run_bench(
     recipes = recipes or ["baseline"]
     if rounds < 1:
         raise RecipeError(f"rounds={rounds} must be at least 1")
+    if noise_seeds < 0:
+        raise RecipeError(f"noise_seeds={noise_seeds} must be >= 0")
     specs = [resolve_recipe(s) for s in recipes]  # fail fast on a bad spec, before any work
+    for peer in peers or []:
+        if peer not in PEERS:
+            raise RecipeError(f"unknown peer {peer!r}; available: {', '.join(PEERS)}")
     wl = get_workload(workload)
     if size not in wl.sizes:
         raise RecipeError(f"workload {workload!r} has no size {size!r}; choose one of {', '.join(wl.sizes)}")
@@ -294,15 +407,30 @@ def run_bench(
 
     contenders: list[Contender] = []
     skipped: dict[str, str] = {}
-    for spec in recipes:
+    target: float | None = real_tokens_per_step_target if match_steps else None
+    for spec, recipe in zip(recipes, specs):
+        why = None if all_dtypes or spec == recipes[0] else dtype_skip_reason(recipe)
+        if why:
+            say(f"skipping {spec}: {why}")
+            skipped[spec] = why
+            continue
         say(f"building {spec}")
-        contenders.append(RecipeContender(spec, workload, size, data, val_batches, specs[0]))
+        c = RecipeContender(spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target)
+        contenders.append(c)
+        if match_steps and target is None:
+            target = real_tokens_per_step(c.loader)
+    noise: list[Contender] = []
+    base_seed = specs[0].runtime.seed
+    for k in range(1, noise_seeds + 1):
+        spec = f"{recipes[0]}+runtime.seed={base_seed + k}"
+        say(f"building {spec} (noise band)")
+        noise.append(
+            RecipeContender(spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target)
+        )
     for peer in peers or []:
-        if peer not in PEERS:
-            raise RecipeError(f"unknown peer {peer!r}; available: {', '.join(PEERS)}")
         try:
             say(f"building peer {peer}")
-            contenders.append(PEERS[peer](workload, size, data, specs[0], val_batches))
+            contenders.append(PEERS[peer](workload, size, data, specs[0], val_batches, target))
         except PeerUnavailable as why:
             skipped[peer] = str(why)
 
@@ -310,15 +438,19 @@ def run_bench(
     warm: dict[str, float] = {}
     # dynamo's graph counter is process-wide, so each contender's recompiles are the graphs built
     # while it alone was running, after its first step.
-    recompiles: dict[str, int] = {c.name: 0 for c in contenders}
+    everyone = contenders + noise
+    recompiles: dict[str, int] = {c.name: 0 for c in everyone}
+    capped: set[str] = set()
 
     def counted_round(c: Contender, budget: int | None, max_steps: int | None = None) -> RoundStats:
         before = dynamo_graph_count()
-        stats = c.run_round(budget, max_steps=max_steps)
+        stats = c.run_round(budget, max_steps=max_steps, max_seconds=max_round_s)
         recompiles[c.name] += dynamo_graph_count() - before
+        if budget is not None and stats.real_tokens < budget:
+            capped.add(c.name)
         return stats
 
-    for c in contenders:
+    for c in everyone:
         say(f"warm-up {c.name}")
         t0 = time.perf_counter()
         c.run_round(None, max_steps=1)  # the first step's graphs are compiles, not recompiles
@@ -326,17 +458,26 @@ def run_bench(
             counted_round(c, None, warmup_steps - 1)
         warm[c.name] = time.perf_counter() - t0
 
-    per_round: dict[str, list[RoundStats]] = {c.name: [] for c in contenders}
+    per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
     for r in range(rounds):
-        for c in contenders:  # interleaved: A B C A B C ...
-            say(f"round {r + 1}/{rounds}: {c.name}")
-            per_round[c.name].append(counted_round(c, budget))
+        for c in everyone:  # interleaved: A B C A B C ...
+            st = counted_round(c, budget)
+            per_round[c.name].append(st)
+            say(
+                f"round {r + 1}/{rounds} {c.name}: {st.real_tokens / st.seconds:,.0f} real tok/s "
+                f"({st.steps} steps, {st.seconds:.1f} s)"
+            )
 
-    say("measuring peak matmul rate")
-    peak = measure_peak_matmul_flops(device)
+    say("reading the peak matmul rate (machine probe)")
+    peak = peak_flops_from_probe(device)
+    noise_losses = []
+    for c in noise:
+        say(f"validation {c.name}")
+        noise_losses.append(c.validation_loss())
     results: list[ContenderResult] = []
     warnings: list[str] = []
     ref_val: float | None = None
+    band = 0.0
     for c in contenders:
         stats = per_round[c.name]
         tps = [s.real_tokens / s.seconds for s in stats]
@@ -350,8 +491,19 @@ def run_bench(
         val = c.validation_loss()
         if ref_val is None:
             ref_val = val
-        gap = abs(val - ref_val) / ref_val if ref_val else 0.0
+            band = noise_band([val, *noise_losses])
+        verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
+        if c is contenders[0]:
+            verdict = "reference"
+        elif c.name in capped:
+            verdict = "unjudged"
+            warnings.append(
+                f"{c.name}: rounds cut at {max_round_s:.0f} s before the token budget; parity not judged"
+            )
         info = c.info()
+        decisions = getattr(getattr(c, "session", None), "decisions", {})
+        if decisions:
+            info["decisions_list"] = [{"field": k, **v} for k, v in decisions.items()]
         n_params = getattr(c, "model", None)
         params = sum(p.numel() for p in n_params.parameters()) if n_params is not None else 0
         mfu = med * 6 * params / peak.get(c.precision, peak["fp32"])
@@ -369,11 +521,11 @@ def run_bench(
                 mem, note = peak_memory_in_subprocess(c.name, workload, size)
         cum, curve = 0, []
         per_step_tokens = real / max(steps, 1)
-        for s in stats:
-            for loss in s.losses:
+        for st in stats:
+            for loss in st.losses:
                 cum += per_step_tokens
                 curve.append((int(cum), loss))
-        data_wait = sum(s.data_wait_s for s in stats)
+        data_wait = sum(st.data_wait_s for st in stats)
         results.append(
             ContenderResult(
                 name=c.name,
@@ -393,8 +545,8 @@ def run_bench(
                 real_tokens=real,
                 steps=steps,
                 val_loss=val,
-                parity_gap=gap,
-                parity="reference" if c is contenders[0] else ("pass" if gap <= parity_tolerance else "fail"),
+                parity_gap=gap if math.isfinite(gap) else 1e9,
+                parity=verdict,
                 mfu=mfu,
                 precision=c.precision,
                 noisy=noisy,
@@ -417,7 +569,11 @@ def run_bench(
             "round_real_tokens": budget,
             "warmup_steps": warmup_steps,
             "val_batches": val_batches,
-            "parity_tolerance": parity_tolerance,
+            "parity_tolerance": max(band, parity_floor),
+            "parity_noise_band": band,
+            "parity_floor": parity_floor,
+            "parity_noise_val_losses": [ref_val, *noise_losses],
+            "real_tokens_per_step": target,
             "order": "interleaved A B C per round; medians over rounds",
         },
         peak_flops=peak,

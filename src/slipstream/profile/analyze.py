@@ -574,8 +574,10 @@ def find_padding_waste(cap: Capture) -> list[Finding]:
 
 
 def find_fp32_matmuls(cap: Capture) -> list[Finding]:
-    """fp32 matmuls/convolutions/attention on hardware with native bf16."""
-    if not cap.bf16_supported:
+    """fp32 matmuls/convolutions/attention where bf16 matmuls measured faster than fp32 (the
+    machine probe). Where bf16 merely runs (at 0.55x fp32 on an Intel AVX512-BF16 CPU without
+    AMX, 1/75 on AVX2-only ones) the advice would slow the step down, so it is not given."""
+    if not cap.bf16_pays:
         return []
     hits = []
     for i, ev in _active_events(cap):
@@ -609,10 +611,14 @@ def find_fp32_matmuls(cap: Capture) -> list[Finding]:
             share_of_step=share,
             where=where,
             fix=fix,
-            title="fp32 matmuls where bf16 is supported",
-            detail=f"{share:.0%} of step time in fp32 matmul/conv/attention; this {cap.device} runs bf16 natively",
+            title="fp32 matmuls where bf16 measured faster",
+            detail=f"{share:.0%} of step time in fp32 matmul/conv/attention; on this {cap.device}: "
+            f"{cap.bf16_verdict or 'bf16 matmuls measured faster than fp32'}",
             count_per_step=len(hits) / _steps(cap),
-            evidence={"fp32_matmul_time_per_step_s": share * _active_us(cap) / _steps(cap) / 1e6},
+            evidence={
+                "fp32_matmul_time_per_step_s": share * _active_us(cap) / _steps(cap) / 1e6,
+                "bf16_verdict": cap.bf16_verdict,
+            },
         )
     ]
 
@@ -855,10 +861,11 @@ class ProfileResult:
     def to_dict(self) -> dict[str, Any]:
         cap = self.capture
         return {
-            "schema": "slipstream.profile/1",
+            "schema": "slipstream.profile/2",
             "source": cap.source,
             "device": cap.device,
-            "bf16_supported": cap.bf16_supported,
+            "bf16_pays": cap.bf16_pays,
+            "bf16_verdict": cap.bf16_verdict,
             "mode": "light" if cap.light else "full",
             "light_reason": cap.light_reason,
             "schedule": {

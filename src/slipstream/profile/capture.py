@@ -138,7 +138,11 @@ class Capture:
     source: dict[str, Any]
     """What ran: {"workload": ..., "recipe": ..., "size": ...} or {"script": ..., "argv": [...]}."""
     device: str
-    bf16_supported: bool
+    bf16_pays: bool
+    """bf16 matmuls measured faster than fp32 here (machine probe, by PAYS_RATIO); merely running
+    is not enough: on an Intel AVX512-BF16 CPU without AMX they run at ~0.55x fp32."""
+    bf16_verdict: str = ""
+    """The probe's figures behind bf16_pays ("bf16 66.0 GFLOP/s vs fp32 119.0 GFLOP/s at ...")."""
     events: list[Event] = field(default_factory=list)
     step_windows_us: list[tuple[float, float]] = field(default_factory=list)
     """(start, end) of each recorded step, from the profiler's ProfilerStep# events."""
@@ -239,14 +243,13 @@ def innermost_user_frame(
 # ----------------------------------------------------------------------------- hardware facts
 
 
-def bf16_supported(device: str) -> bool:
-    """Whether bf16 matmuls run natively here (CUDA: Ampere+; CPU: AVX512-BF16 or AMX)."""
-    if device == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+def bf16_verdict(device: str) -> tuple[bool, str]:
+    """Whether bf16 matmuls *pay* here, and the measured figures that say so (the machine probe,
+    cached per machine): not whether they merely run, which they do everywhere, 75x slower than
+    fp32 on AVX2-only CPUs."""
+    from .. import machine
+
+    return machine.dtype_verdict(machine.probe(device), "bf16")
 
 
 # ----------------------------------------------------------------------------- steps
@@ -554,11 +557,13 @@ def capture_workload(
     cfg = config or CaptureConfig()
     rec = resolve_recipe(recipe)
     device = resolve_device(rec.runtime.device).type
+    pays, verdict = bf16_verdict(device)
     capture = Capture(
         config=cfg,
         source={"workload": workload, "size": size, "recipe": rec.name},
         device=device,
-        bf16_supported=bf16_supported(device),
+        bf16_pays=pays,
+        bf16_verdict=verdict,
         own_code_is_user=True,
     )
     with capturing(cfg, capture, stop_when_done=False):
@@ -601,11 +606,13 @@ def capture_script(command: Sequence[str], *, config: CaptureConfig | None = Non
     cfg = config or CaptureConfig()
     kind, target, argv = _script_command(command)
     device = _default_device()
+    pays, verdict = bf16_verdict(device)
     capture = Capture(
         config=cfg,
         source={kind: target, "argv": argv},
         device=device,
-        bf16_supported=bf16_supported(device),
+        bf16_pays=pays,
+        bf16_verdict=verdict,
     )
     saved_argv, saved_path, saved_modules = sys.argv[:], sys.path[:], set(sys.modules)
     sys.argv = argv

@@ -19,7 +19,8 @@ EXAMPLES = {
     "serve": """examples:
   slipstream serve --workload gpt-stdlib --checkpoint runs/a/checkpoint.pt --port 8000
   slipstream serve --size small --dtype bf16 --max-batch-size 32 --latency-budget-ms 200
-  slipstream serve --size small --quantize bf16 --compile --workers 2 --threads 1
+  slipstream serve --size small --compile --workers 2 --threads 1   # --quantize auto: bf16 where it pays
+  slipstream serve --size small --quantize bf16 --compile          # bf16 weights whatever the probe says
   slipstream serve --checkpoint runs/a --quantize int8-dynamic --generate-slots 8
   curl -s 127.0.0.1:8000/v1/score -d '{"text": "def f(x):\\n    return x\\n"}' -H 'content-type: application/json'
 """,
@@ -37,8 +38,23 @@ EXAMPLES = {
 }
 
 
+def resolve_quantize(quantize: str, dtype: str, device, probe=None):
+    """`--quantize auto` -> a mode, with its reason (a `machine.Decision`): bf16 weights only where
+    the machine probe measured bf16 matmuls faster than fp32 (they run ~75x slower on AVX2-only
+    CPUs and ~0.55x on an Intel AVX512-BF16 one without AMX), else none; int8 is never picked by auto
+    (it changes answers more: measure it with `quantize-eval`). An explicit mode is kept."""
+    from ..machine import Decision, decide_serve_quantize
+
+    if quantize != "auto":
+        return Decision("serve.quantize", quantize, "set on the command line")
+    if dtype == "bf16":
+        return Decision("serve.quantize", "none", "--dtype bf16 given: fp32 weights under bf16 autocast")
+    return decide_serve_quantize(device, probe)
+
+
 def build_app_from_args(args: argparse.Namespace):
-    """The model, engine(s) and FastAPI app the `serve` flags describe."""
+    """The FastAPI app, score engine, loaded model and the `--quantize` decision the `serve` flags
+    describe."""
     import torch
 
     from ..recipe import RecipeError
@@ -52,10 +68,17 @@ def build_app_from_args(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    if args.dtype == "bf16" and args.quantize not in ("none",):
+    if args.dtype == "bf16" and args.quantize not in ("none", "auto"):
         raise RecipeError("--dtype bf16 with --quantize: choose one (--quantize bf16 casts the weights)")
     loaded = load_model(args.workload, args.size, args.checkpoint, device, max_len=args.max_len)
-    quantize_model(loaded.model, args.quantize)
+    decision = resolve_quantize(args.quantize, args.dtype, device)
+    if args.quantize == "auto":
+        print(
+            f"slipstream serve: --quantize auto -> {decision.choice}: {decision.reason}",
+            file=sys.stderr,
+            flush=True,
+        )
+    quantize_model(loaded.model, decision.choice)
     try:
         lengths = get_workload(args.workload).load_data().validation_lengths
     except Exception as err:  # planning falls back to a single max_len bucket; say so
@@ -99,13 +122,13 @@ def build_app_from_args(args: argparse.Namespace):
         drain_timeout_s=args.drain_timeout,
         progress=lambda line: print(f"slipstream serve: {line}", file=sys.stderr, flush=True),
     )
-    return app, engine, loaded
+    return app, engine, loaded, decision
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .app import run_server
 
-    app, engine, loaded = build_app_from_args(args)
+    app, engine, loaded, quantize = build_app_from_args(args)
     print(
         f"slipstream serve: {loaded.workload}/{loaded.size} from {loaded.source}, "
         f"{len(engine.plan.shapes)} shapes, lengths {list(engine.plan.lengths)}; "
@@ -125,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "failed_batches": stats.failed_batches,
         "shapes_run": stats.shapes_run,
         "shape_latency_s": {f"{b}x{L}": t for (b, L), t in engine.plan.latency_s.items()},
+        "quantize": quantize.to_dict(),
     }
     write_json(args.json, summary)
     print(f"slipstream serve: drained; {stats.requests} requests in {stats.batches} batches", file=sys.stderr)
@@ -241,7 +265,12 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (bf16 = autocast)"
     )
-    p.add_argument("--quantize", default="none", help="none, bf16, int8-weight-only, int8-dynamic (torchao)")
+    p.add_argument(
+        "--quantize",
+        default="auto",
+        help="auto (default: bf16 weights where the machine probe measured bf16 faster than fp32, "
+        "else none), none, bf16, int8-weight-only, int8-dynamic (torchao)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(

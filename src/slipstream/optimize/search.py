@@ -1,0 +1,308 @@
+"""`slipstream optimize`: a staged, measured search for the fastest recipe that still learns the same.
+
+Stages run in order (shapes first: it moves the most, and the others are judged on top of it). In
+each stage the current best and the stage's candidates are trained side by side by `run_bench`
+(interleaved rounds, warm-up excluded, each contender matched to the reference's real tokens per
+optimizer step, so equal real-token budgets are equal training). A candidate becomes the new best
+only when
+
+- its median real tokens/s beats the current best's by more than the noise measured in that stage
+  (the larger relative IQR of the two, never below MIN_GAIN), and
+- its validation loss lies within the parity band: the spread of the reference re-run with other
+  seeds in stage 0, the same guard `slipstream bench` applies.
+
+Every candidate's speed, parity and verdict is kept for the report. A stage that would not fit in
+the remaining time budget is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..bench.runner import judge_parity, noise_band, run_bench
+from .. import machine
+from ..presets import resolve_recipe
+from ..recipe import Recipe, RecipeError
+from ..session import resolve_device
+
+MIN_GAIN = 0.02
+"""A change must be at least 2% faster to be kept, even when a stage's rounds agree more closely:
+below that a re-run on a shared 2-core machine flips the order."""
+
+TRY_DTYPE_RATIO = 0.8
+"""The precision stage measures a cheaper dtype end to end when its matmuls reached at least this
+fraction of fp32's in the probe (a near-tie can still win on memory traffic); below it, the probe's
+figures are the reason it is not tried."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    """What the stage decides, e.g. "shapes"."""
+    options: tuple[tuple[str, ...], ...]
+    """Each option is a list of `section.field=value` overrides applied on top of the current best."""
+
+
+STAGES: dict[str, Stage] = {
+    "shapes": Stage(
+        "shapes",
+        (
+            ("shapes.mode=pad_batch",),
+            ("shapes.mode=bucket",),
+            ("shapes.mode=pack",),
+        ),
+    ),
+    "buckets": Stage("buckets", (("shapes.buckets=4",), ("shapes.buckets=16",))),
+    "precision": Stage("precision", (("precision.dtype=bf16",), ("precision.dtype=fp16",))),
+    "kernels": Stage("kernels", (("kernels.ops=auto",),)),
+    "compile": Stage("compile", (("compile.mode=default",),)),
+    "optimizer": Stage("optimizer", (("optimizer.impl=fused",), ("optimizer.impl=for-loop",))),
+    "prefetch": Stage("prefetch", (("dataflow.prefetch=true",),)),
+}
+DEFAULT_STAGES = ("shapes", "buckets", "precision", "kernels", "compile", "optimizer", "prefetch")
+
+
+@dataclass
+class Candidate:
+    stage: str
+    spec: str
+    overrides: list[str]
+    real_tokens_per_s: float | None = None
+    speed_vs_best: float | None = None
+    """Median real tokens/s over the stage's current best (same stage, interleaved)."""
+    noise: float | None = None
+    """The stage's relative noise the gain had to beat."""
+    val_loss: float | None = None
+    parity_gap: float | None = None
+    parity: str | None = None
+    peak_memory_bytes: int | None = None
+    verdict: str = ""
+    """kept / rejected / skipped, with why."""
+
+
+@dataclass
+class OptimizeResult:
+    workload: str
+    size: str
+    base: str
+    best_spec: str
+    best_overrides: list[str]
+    best_recipe: dict[str, Any]
+    reference_real_tokens_per_s: float
+    best_real_tokens_per_s: float
+    """The winner's median real tokens/s in the last stage it was measured in."""
+    speedup_estimate: float
+    """Product of the kept per-stage gains (each measured side by side within its stage)."""
+    parity_band: float
+    reference_val_losses: list[float]
+    candidates: list[Candidate]
+    stages: dict[str, str]
+    """stage -> what happened (kept X, nothing beat the best, skipped: why)."""
+    budget_s: float
+    wall_s: float
+    machine: dict[str, Any]
+    bench_command: str
+    method: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _spec(base: str, overrides: list[str]) -> str:
+    return "+".join([base, *overrides])
+
+
+def _merge(current: list[str], new: tuple[str, ...]) -> list[str]:
+    """Overrides of `current` with `new` applied (a field set again replaces its old value)."""
+    keys = {o.split("=", 1)[0] for o in new}
+    return [o for o in current if o.split("=", 1)[0] not in keys] + list(new)
+
+
+def _stage_options(stage: Stage, best: Recipe, device, say) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The options worth measuring now, and notes on those left out (with the reason)."""
+    from ..machine import dtype_verdict
+
+    notes, keep = [], []
+    for opt in stage.options:
+        field_, value = opt[0].split("=", 1)
+        if stage.name == "buckets" and best.shapes.mode != "bucket":
+            notes.append(f"{opt[0]}: not tried (shapes.mode is {best.shapes.mode})")
+            continue
+        if stage.name == "precision":
+            if value == "fp16" and device.type == "cpu":
+                from ..precision import cpu_supports_fp16
+
+                if not cpu_supports_fp16():
+                    notes.append(f"{opt[0]}: not tried (this CPU has no fp16 matmuls)")
+                    continue
+            ratio, _ = machine.probe(device).speed_vs_fp32(value)
+            if ratio is None or ratio < TRY_DTYPE_RATIO:
+                notes.append(f"{opt[0]}: not tried ({dtype_verdict(machine.probe(device), value)[1]})")
+                continue
+        if stage.name == "compile":
+            check = machine.probe(device, checks=("compile",)).checks["compile"]
+            if not check.ok:
+                notes.append(f"{opt[0]}: not tried (torch.compile does not work here: {check.detail})")
+                continue
+        keep.append(opt)
+    return keep, notes
+
+
+def optimize(
+    workload: str = "gpt-stdlib",
+    *,
+    base: str = "baseline",
+    size: str = "tiny",
+    budget_s: float = 300.0,
+    stages: tuple[str, ...] = DEFAULT_STAGES,
+    rounds: int = 3,
+    round_tokens: int | None = None,
+    noise_seeds: int = 2,
+    parity_floor: float = 0.002,
+    progress: Callable[[str], None] | None = None,
+) -> OptimizeResult:
+    """Search recipes by measurement within `budget_s` seconds; see the module docstring."""
+    say = progress or (lambda msg: None)
+    for name in stages:
+        if name not in STAGES:
+            raise RecipeError(f"unknown optimize stage {name!r}; choose from {', '.join(STAGES)}")
+    if budget_s <= 0:
+        raise RecipeError(f"--budget must be positive, got {budget_s:g} s")
+    reference = resolve_recipe(base)
+    device = resolve_device(reference.runtime.device)
+    t0 = time.perf_counter()
+    common = dict(
+        size=size, rounds=rounds, round_tokens=round_tokens, memory="skip", all_dtypes=True, progress=say
+    )
+
+    say(f"stage reference: {base} and {noise_seeds} re-runs with other seeds (the parity band)")
+    ref = run_bench(workload, [base], noise_seeds=noise_seeds, parity_floor=parity_floor, **common)
+    target = ref.method["real_tokens_per_step"]
+    ref_val = ref.contenders[0].val_loss
+    band = noise_band(ref.method["parity_noise_val_losses"])
+    per_contender_s = ref.wall_s / (1 + noise_seeds)
+    say(f"reference: {ref.contenders[0].real_tokens_per_s:,.0f} real tok/s; parity band {band:.2%}")
+
+    best: list[str] = []
+    best_tps = ref.contenders[0].real_tokens_per_s
+    speedup = 1.0
+    candidates: list[Candidate] = []
+    outcome: dict[str, str] = {}
+    for name in stages:
+        stage = STAGES[name]
+        best_recipe = resolve_recipe(_spec(base, best))
+        options, notes = _stage_options(stage, best_recipe, device, say)
+        for note in notes:
+            opt = note.split(":", 1)[0]
+            candidates.append(Candidate(name, _spec(base, _merge(best, (opt,))), [opt], verdict=note))
+        if not options:
+            outcome[name] = "nothing to try: " + "; ".join(notes)
+            continue
+        # compile stages pay a first compile per contender; estimated from the probe's compile check
+        extra = 0.0
+        if name == "compile":
+            extra = machine.probe(device, checks=("compile",)).checks["compile"].seconds
+        estimate = (len(options) + 1) * per_contender_s + len(options) * extra
+        left = budget_s - (time.perf_counter() - t0)
+        if estimate > left:
+            outcome[name] = f"skipped: needs ~{estimate:.0f} s, {max(left, 0):.0f} s of the budget left"
+            for opt in options:
+                candidates.append(
+                    Candidate(name, _spec(base, _merge(best, opt)), list(opt), verdict=outcome[name])
+                )
+            say(f"stage {name}: {outcome[name]}")
+            continue
+        specs = [_spec(base, best)] + [_spec(base, _merge(best, opt)) for opt in options]
+        say(f"stage {name}: {len(options)} candidate(s) against {specs[0]}")
+        res = run_bench(
+            workload,
+            specs,
+            noise_seeds=0,
+            parity_floor=parity_floor,
+            real_tokens_per_step_target=target,
+            **common,
+        )
+        by_name = {c.name: c for c in res.contenders}
+        cur = by_name[specs[0]]
+        cur_noise = cur.real_tokens_per_s_iqr / cur.real_tokens_per_s if cur.real_tokens_per_s else 1.0
+        winner: tuple[float, list[str], Any] | None = None
+        for opt, spec in zip(options, specs[1:]):
+            cand = Candidate(name, spec, list(opt))
+            c = by_name.get(spec)
+            if c is None:
+                cand.verdict = f"rejected: {res.skipped.get(spec, 'did not run')}"
+                candidates.append(cand)
+                continue
+            ratio = c.real_tokens_per_s / cur.real_tokens_per_s
+            noise = max(cur_noise, c.real_tokens_per_s_iqr / c.real_tokens_per_s, MIN_GAIN)
+            verdict, gap, allowed = judge_parity(c.val_loss, ref_val, band, parity_floor)
+            cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
+            cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
+            if verdict != "pass":
+                cand.verdict = f"rejected: parity gap {gap:.2%} > {allowed:.2%}"
+            elif ratio <= 1 + noise:
+                cand.verdict = f"rejected: {ratio:.3f}x is within the noise ({noise:.1%})"
+            else:
+                cand.verdict = f"faster: {ratio:.3f}x (noise {noise:.1%})"
+                if winner is None or ratio > winner[0]:
+                    winner = (ratio, list(opt), c)
+            candidates.append(cand)
+            say(f"  {spec}: {cand.verdict}")
+        if winner is None:
+            outcome[name] = f"kept {specs[0]}: no candidate beat it beyond the noise at parity"
+            best_tps = cur.real_tokens_per_s
+            continue
+        ratio, opt, c = winner
+        for cand in candidates:
+            if cand.stage != name or not cand.verdict.startswith("faster"):
+                continue
+            won = cand.overrides == opt
+            cand.verdict = ("kept: " if won else "rejected: another candidate was faster; ") + cand.verdict
+        best = _merge(best, tuple(opt))
+        best_tps = c.real_tokens_per_s
+        speedup *= ratio
+        outcome[name] = f"kept {' '.join(opt)} ({ratio:.3f}x)"
+        say(f"stage {name}: {outcome[name]}")
+
+    best_spec = _spec(base, best)
+    from ..doctor import machine_info
+
+    fixed = ",".join(dict.fromkeys([base, best_spec]))
+    bench_command = (
+        f"slipstream bench --workload {workload} --size {size} --recipes {fixed} --rounds {rounds}"
+        + (f" --round-tokens {round_tokens}" if round_tokens else "")
+    )
+    return OptimizeResult(
+        workload=workload,
+        size=size,
+        base=base,
+        best_spec=best_spec,
+        best_overrides=best,
+        best_recipe=resolve_recipe(best_spec).to_dict(),
+        reference_real_tokens_per_s=ref.contenders[0].real_tokens_per_s,
+        best_real_tokens_per_s=best_tps,
+        speedup_estimate=speedup,
+        parity_band=band,
+        reference_val_losses=list(ref.method["parity_noise_val_losses"]),
+        candidates=candidates,
+        stages=outcome,
+        budget_s=budget_s,
+        wall_s=time.perf_counter() - t0,
+        machine=machine_info(),
+        bench_command=bench_command,
+        method={
+            "rounds": rounds,
+            "round_real_tokens": ref.method["round_real_tokens"],
+            "real_tokens_per_step": target,
+            "min_gain": MIN_GAIN,
+            "parity_floor": parity_floor,
+            "noise_seeds": noise_seeds,
+            "stages": list(stages),
+        },
+    )
+
+
+__all__ = ["DEFAULT_STAGES", "STAGES", "Candidate", "OptimizeResult", "Stage", "optimize"]

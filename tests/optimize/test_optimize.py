@@ -1,0 +1,113 @@
+"""slipstream optimize: the keep/reject rules on fabricated stage results (speed beyond the noise,
+parity against the seed band, the time budget), the outputs, and one real run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from slipstream.cli import main
+from slipstream.optimize import search
+from slipstream.optimize.cli import parse_budget
+from slipstream.presets import resolve_recipe
+from slipstream.recipe import RecipeError
+
+
+def _contender(name, tps, iqr, val):
+    return SimpleNamespace(name=name, real_tokens_per_s=tps, real_tokens_per_s_iqr=iqr, val_loss=val)
+
+
+def fake_bench(figures, calls):
+    """run_bench stand-in: figures[override or 'base'] = (tok/s, iqr, val loss)."""
+
+    def run(workload, specs, *, noise_seeds=0, **kwargs):
+        calls.append(list(specs))
+        cs = []
+        for spec in specs:
+            key = spec.split("+")[-1] if "+" in spec else "base"
+            tps, iqr, val = figures.get(key, figures["base"])
+            if spec == specs[0] and len(specs) > 1:  # the stage's current best
+                tps, iqr, val = figures.get("best", figures["base"])
+            cs.append(_contender(spec, tps, iqr, val))
+        return SimpleNamespace(
+            contenders=cs,
+            skipped={},
+            wall_s=1.0,
+            method={
+                "real_tokens_per_step": 100.0,
+                "round_real_tokens": 200,
+                "parity_noise_val_losses": [3.00, 3.03, 2.97][: noise_seeds + 1],
+            },
+        )
+
+    return run
+
+
+def test_keeps_only_faster_beyond_noise_and_within_the_seed_band(monkeypatch, machine_like):
+    machine_like(bf16=0.5, fp16=0.5)  # below TRY_DTYPE_RATIO: the precision stage runs neither
+    calls = []
+    figures = {
+        "base": (100.0, 2.0, 3.00),
+        "best": (100.0, 2.0, 3.00),
+        "shapes.mode=pad_batch": (101.0, 2.0, 3.00),  # within the noise
+        "shapes.mode=bucket": (150.0, 3.0, 3.05),  # faster, gap 1.7% inside the 2% band
+        "shapes.mode=pack": (170.0, 3.0, 3.30),  # fastest, but 10% off: fails parity
+    }
+    monkeypatch.setattr(search, "run_bench", fake_bench(figures, calls))
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes", "precision"))
+    assert res.best_overrides == ["shapes.mode=bucket"] and res.best_spec == "baseline+shapes.mode=bucket"
+    assert res.parity_band == pytest.approx(0.02)
+    verdicts = {c.overrides[0]: c.verdict for c in res.candidates}
+    assert verdicts["shapes.mode=bucket"].startswith("kept")
+    assert "within the noise" in verdicts["shapes.mode=pad_batch"]
+    assert verdicts["shapes.mode=pack"].startswith("rejected: parity gap")
+    assert "not tried" in verdicts["precision.dtype=bf16"] and "GFLOP/s" in verdicts["precision.dtype=bf16"]
+    assert "not tried" in verdicts["precision.dtype=fp16"]
+    assert calls[1][0] == "baseline" and len(calls) == 2  # reference stage + shapes stage only
+    assert "--recipes baseline,baseline+shapes.mode=bucket" in res.bench_command
+
+
+def test_a_stage_that_does_not_fit_the_budget_is_skipped_and_says_so(monkeypatch, machine_like):
+    machine_like(bf16=0.5)
+    calls = []
+    monkeypatch.setattr(search, "run_bench", fake_bench({"base": (100.0, 1.0, 3.0)}, calls))
+    clock = iter([0.0])  # the search starts at 0 s; every later reading is 50.5 s
+    monkeypatch.setattr(search.time, "perf_counter", lambda: next(clock, 50.5))
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=51, stages=("shapes",))
+    assert res.stages["shapes"].startswith("skipped: needs ~") and len(calls) == 1
+    assert res.best_spec == "baseline"
+
+
+def test_bad_arguments_fail_before_any_work():
+    with pytest.raises(RecipeError, match="unknown optimize stage 'nope'"):
+        search.optimize(stages=("nope",))
+    with pytest.raises(RecipeError, match="--budget must be positive"):
+        search.optimize(budget_s=0)
+    assert parse_budget("5m") == 300 and parse_budget("1h") == 3600 and parse_budget("90s") == 90
+    assert parse_budget("1m30s") == 90 and parse_budget("42") == 42
+    for bad in ("", "5x", "m"):
+        with pytest.raises(RecipeError, match="--budget"):
+            parse_budget(bad)
+
+
+def test_real_run_writes_a_loadable_recipe_and_reports(tmp_path, machine_like):
+    machine_like(bf16=0.5, compile_ok=False)
+    out = tmp_path / "opt"
+    code = main(
+        [
+            "optimize", "--size", "tiny", "--budget", "5m", "--stages", "shapes,compile",
+            "--base", "baseline+shapes.max_len=128+shapes.tokens_per_batch=512",
+            "--rounds", "1", "--round-tokens", "300", "--noise-seeds", "1", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    recipe = resolve_recipe(str(out / "recipe.toml"))
+    assert recipe.shapes.max_len == 128 and recipe.to_dict()["shapes"] == report["best_recipe"]["shapes"]
+    assert {c["stage"] for c in report["candidates"]} == {"shapes", "compile"}
+    assert "torch.compile does not work here" in report["stages"]["compile"]
+    assert len(report["reference_val_losses"]) == 2
+    assert "<table>" in (out / "report.html").read_text()
+    assert report["best_spec"] in (out / "report.md").read_text()
