@@ -247,6 +247,8 @@ def compare(args) -> int:
             "serve",
             "--port",
             str(ports["slipstream"]),
+            "--quantize",
+            "none",  # the fp32 eager server: `auto` would pick bf16 weights where bf16 pays
             "--json",
             str(logs / "slipstream-stats.json"),
             *ss_flags,

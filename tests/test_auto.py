@@ -78,7 +78,10 @@ class SlowWhenPacked(nn.Module):
 
 def _docs(n: int = 60) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(1, 64, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(1, 64, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("pack_ms,bucket_ms,expected", [(40, 0, "bucket"), (0, 40, "pack")])
@@ -94,7 +97,7 @@ def test_auto_shape_mode_is_timed_on_the_model(pack_ms, bucket_ms, expected, mac
     from slipstream import trial
 
     calls = []
-    monkeypatch.setattr(trial, "time_loader", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(trial, "time_loaders", lambda *a, **k: calls.append(a))
     assert session.prepare_loader(_docs(), tokens_per_batch=128).policy.name == expected
     assert calls == [] and model is session.model
 
@@ -131,7 +134,12 @@ def test_auto_shape_mode_without_document_ids_is_bucket_with_the_reason(machine_
 def test_auto_recipe_trains_end_to_end_and_reports_its_decisions(machine_like):
     machine_like(bf16=0.0133)
     result = slipstream.train(
-        "gpt-stdlib", "auto+shapes.max_len=128+shapes.tokens_per_batch=512", 3, size="tiny", eval_every=0, progress=False
+        "gpt-stdlib",
+        "auto+shapes.max_len=128+shapes.tokens_per_batch=512",
+        3,
+        size="tiny",
+        eval_every=0,
+        progress=False,
     )
     decisions = result.metrics.extra["decisions"]
     assert decisions["precision.dtype"]["choice"] == "fp32"

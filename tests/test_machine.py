@@ -70,15 +70,17 @@ def test_bf16_must_beat_fp32_by_the_pays_ratio(ratio, choice):
     assert decide_precision("cpu", p).choice == choice
 
 
-def test_a_dtype_too_slow_for_the_large_sizes_is_compared_where_both_were_measured():
+def test_a_dtype_too_slow_for_the_large_sizes_is_compared_by_its_best_figure():
     # The probe stops a dtype whose matmul takes > SLOW_CALL_S: on AVX2, bf16 has no 1024 figure.
+    # Peaks are compared (one timing on a shared host can be 30% off, the best of several less).
     p = fed(
         {"fp32": {"256": 50e9, "512": 55e9, "1024": 60e9}, "bf16": {"256": 0.8e9, "512": 0.7e9}},
         notes={"bf16": "0.38 s per 512^2 matmul: larger sizes not measured"},
     )
-    assert p.speed_vs_fp32("bf16") == (pytest.approx(0.7 / 55), 512)
+    assert p.speed_vs_fp32("bf16") == (pytest.approx(0.8 / 60), 256)
     d = decide_precision("cpu", p)
-    assert d.choice == "fp32" and "at 512^2" in d.reason and "fp32 55.0 GFLOP/s" in d.reason
+    assert d.choice == "fp32"
+    assert "bf16 0.8 GFLOP/s vs fp32 60.0 GFLOP/s (at 256^2 vs 1024^2) (0.01x)" in d.reason
 
 
 def test_cuda_without_native_bf16_picks_fp16_and_cpu_never_does():
@@ -252,7 +254,7 @@ def test_doctor_reports_the_probe_and_the_decisions(tmp_path, monkeypatch, capsy
     precision = doc["decisions"]["precision.dtype"]
     assert precision["choice"] == "fp32" and "bf16 0.8 GFLOP/s vs fp32 60.0 GFLOP/s" in precision["reason"]
     assert doc["decisions"]["serve.quantize"]["choice"] == "none"
-    assert doc["dtypes"]["bf16"]["pays"] is False and doc["dtypes"]["bf16"]["compared_at_n"] == 1024
+    assert doc["dtypes"]["bf16"]["pays"] is False and doc["dtypes"]["bf16"]["peak_n"] == 1024
     assert doc["probe_source"] == "measured" and "compile" not in doc["checks"]
     assert doc["checks"]["triton"] == {"ok": False, "detail": "no GPU (test)", "seconds": 0.0}
     printed = capsys.readouterr().out

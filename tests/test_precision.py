@@ -67,7 +67,8 @@ def _recipe(dtype: str, **optimizer) -> Recipe:
 # ----------------------------------------------------------------------------- policy
 
 
-def test_auto_picks_bf16_on_cpu_and_records_the_choice():
+def test_auto_picks_bf16_where_it_measured_faster_and_records_the_choice(machine_like):
+    machine_like(bf16=4.0)  # an AMX CPU's figures; tests/test_auto.py covers the AVX2 ones
     session = Session(_recipe("auto"))
     assert session.precision == "bf16"
     assert session.metrics().extra["precision_auto_choice"] == "bf16"
@@ -189,6 +190,17 @@ def test_parity_measures_the_relative_gap_of_the_final_window():
     assert result.gap == pytest.approx(0.05)
     assert "outside tolerance" in result.reason
     assert parity([2.02] * 50, ref, tolerance=0.04).passed
+
+
+def test_parity_tolerance_is_the_seed_noise_band_when_re_runs_are_given():
+    ref = [2.0] * 30
+    seeds = [[2.04] * 30, [1.98] * 30]  # re-seeded references land 3% apart
+    result = parity([2.05] * 30, ref, noise_curves=seeds)
+    assert result.tolerance == pytest.approx(0.06 / 2.00666, rel=1e-3) and result.passed
+    assert not parity([2.1] * 30, ref, noise_curves=seeds).passed
+    # re-runs that land together leave the floor, not zero
+    assert parity([2.0005] * 30, ref, noise_curves=[ref]).passed
+    assert not parity([2.01] * 30, ref, noise_curves=[ref]).passed
 
 
 def test_parity_fails_a_curve_with_nan_and_names_the_step():

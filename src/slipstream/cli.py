@@ -143,8 +143,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     demo = recipes == ["demo"]
+    unpaid: dict[str, str] = {}
     if demo:
         recipes = demo_recipes()
+        from .machine import dtype_verdict, probe
+        from .session import resolve_device
+
+        # The demo shows what pays here: a recipe that forces a cheaper dtype runs only where the
+        # probe measured that dtype faster than fp32.
+        for name in list(recipes):
+            r = resolve_recipe(name)
+            if r.precision.dtype in ("bf16", "fp16"):
+                pays, why = dtype_verdict(probe(resolve_device(r.runtime.device)), r.precision.dtype)
+                if not pays:
+                    recipes.remove(name)
+                    unpaid[name] = why
     if args.set:  # the same overrides for every recipe (and so for the peers, via the reference)
         recipes = [r + "".join(f"+{a}" for a in args.set) for r in recipes]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
@@ -173,6 +186,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             max_round_s=args.max_round_s,
             progress=say,
         )
+    result.skipped.update(unpaid)
     payload = result.to_dict()
     write_json(args.json, payload)
     print_table(payload)

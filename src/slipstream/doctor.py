@@ -81,7 +81,7 @@ def diagnose(
         report["dtypes"][dtype] = {
             "pays": pays,
             "speed_vs_fp32": ratio,
-            "compared_at_n": n,
+            "peak_n": n,
             "verdict": verdict,
         }
     report["copy_bytes_per_s"] = dict(p.copy_bytes_per_s)

@@ -40,7 +40,7 @@ MATMUL_SECONDS = 0.12
 """Time spent timing one (dtype, size) pair; the first call is a warm-up outside it."""
 
 SLOW_CALL_S = 0.25
-"""A single matmul slower than this stops the larger sizes of that dtype (an unaccelerated bf16
+"""A next-size matmul predicted slower than this stops the larger sizes of that dtype (an unaccelerated bf16
 1024^2 matmul takes ~3 s on an AVX2 CPU; measuring it would blow the probe's time budget)."""
 
 PAYS_RATIO = 1.15
@@ -94,7 +94,7 @@ class MachineProbe:
     # -- reading the figures ----------------------------------------------------------------------
 
     def flops(self, dtype: str, n: int | None = None) -> float | None:
-        """FLOP/s of `dtype` at size n (the largest measured size when n is None)."""
+        """FLOP/s of `dtype` at size n (its best over the sizes measured when n is None)."""
         table = self.matmul_flops_per_s.get(dtype, {})
         if not table:
             return None
@@ -263,10 +263,15 @@ def measure_matmul(
             _sync(device)
             per_call = (time.perf_counter() - t0) / calls
             table[str(n)] = 2 * n**3 / per_call
-            # Both the warm-up and the timed calls must be slow: one stall of a busy host (spinning
-            # OpenMP threads on shared cores) must not cut the larger sizes of a fast dtype.
-            if min(first, per_call) > SLOW_CALL_S:
-                notes[name] = f"{per_call:.2f} s per {n}^2 matmul: larger sizes not measured"
+            # The next size costs ~(n'/n)^3 more per call. Both the warm-up and the timed calls must
+            # predict a slow one: a single stall of a busy host (spinning OpenMP threads on shared
+            # cores) must not cut the larger sizes of a fast dtype.
+            grow = (sizes[sizes.index(n) + 1] / n) ** 3 if n != sizes[-1] else 1.0
+            if min(first, per_call) * grow > SLOW_CALL_S:
+                notes[name] = (
+                    f"{per_call:.3f} s per {n}^2 matmul: larger sizes not measured "
+                    f"(~{per_call * grow:.1f} s per call predicted)"
+                )
                 break
         flops[name] = table
     return flops, notes
@@ -438,9 +443,13 @@ def dtype_verdict(p: MachineProbe, dtype: str) -> tuple[bool, str]:
     verdict = "used by auto" if pays else f"not used (needs >= {PAYS_RATIO:.2f}x)"
     if pays and dtype != "bf16" and p.device != "cuda":
         verdict = "faster, but auto picks fp16 on CUDA only (it needs loss scaling)"
+    # The ratio is peak against peak (speed_vs_fp32): print those two figures and their sizes.
+    ref = p.matmul_flops_per_s["fp32"]
+    ref_n = int(max(ref, key=lambda k: ref[k]))
+    where = f"at {n}^2" if ref_n == n else f"(at {n}^2 vs {ref_n}^2)"
     return pays, (
-        f"{dtype} {_gflops(p.flops(dtype, n))} vs fp32 {_gflops(p.flops('fp32', n))} "
-        f"at {n}^2 ({ratio:.2f}x): {verdict}"
+        f"{dtype} {_gflops(p.flops(dtype, n))} vs fp32 {_gflops(p.flops('fp32'))} "
+        f"{where} ({ratio:.2f}x): {verdict}"
     )
 
 

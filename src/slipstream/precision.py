@@ -5,21 +5,20 @@ Linear layers for torchao's float8 training layers. fp16 needs dynamic loss scal
 `torch.amp.GradScaler` and only add the accounting (skipped steps, current scale) and the order
 of operations (unscale before clipping, skip on inf/nan).
 
-The parity guard (`parity`) compares a candidate run's loss curve against a reference (fp32
-eager, same data and seeds) and says pass/fail with the measured gap. bench and tune use it to
-refuse speed-ups that change what is learned.
+The parity guard itself lives in slipstream.parity (re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+# The parity guard lives in slipstream.parity (one guard for bench, optimize and precision); its
+# names stay importable from here.
+from .parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_PARITY_WINDOW, ParityResult, parity
 from .recipe import PrecisionConfig, RecipeError
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -166,101 +165,6 @@ class LossScaler:
             return
         self.scaler.load_state_dict(state["scaler"])  # type: ignore[arg-type]
         self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[arg-type]
-
-
-# ----------------------------------------------------------------------------- parity guard
-
-DEFAULT_PARITY_TOLERANCE = 0.02
-"""Relative gap allowed between the candidate's and the reference's loss, both averaged over the
-last `window` steps. Justified by measurement (docs/precision.md, benchmarks/precision.py --parity):
-on gpt-stdlib small, 200 steps, bf16 lands 0.12 % from fp32 on the same data and seeds, while an
-fp32 run with another seed lands 3.3 % away (the noise floor of "the same training"). 2 % passes
-numerics changes ~17x larger than bf16's and fails a candidate that, on the same seeds, ends as far
-off as a re-seeded run does (a changed learning rate, broken loss scaling)."""
-
-DEFAULT_PARITY_WINDOW = 20
-"""Steps averaged at each end of the comparison: one step's loss is too noisy to compare."""
-
-
-@dataclass(frozen=True)
-class ParityResult:
-    passed: bool
-    gap: float
-    """Relative gap |mean(candidate[-w:]) - mean(reference[-w:])| / mean(reference[-w:])."""
-    max_gap: float
-    """Largest relative gap between windowed means anywhere along the curves."""
-    tolerance: float
-    candidate_loss: float
-    """Candidate loss averaged over the final window."""
-    reference_loss: float
-    """Reference loss averaged over the final window."""
-    steps: int
-    window: int
-    reason: str
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "parity_passed": self.passed,
-            "parity_gap": self.gap,
-            "parity_max_gap": self.max_gap,
-            "parity_tolerance": self.tolerance,
-            "parity_candidate_loss": self.candidate_loss,
-            "parity_reference_loss": self.reference_loss,
-            "parity_steps": self.steps,
-            "parity_window": self.window,
-            "parity_reason": self.reason,
-        }
-
-
-def _window_means(values: Sequence[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        if i >= window - 1:
-            out.append(acc / window)
-    return out
-
-
-def parity(
-    candidate: Sequence[float],
-    reference: Sequence[float],
-    *,
-    tolerance: float = DEFAULT_PARITY_TOLERANCE,
-    window: int = DEFAULT_PARITY_WINDOW,
-) -> ParityResult:
-    """Compare a candidate loss curve with a reference run on the same data and seeds.
-
-    Pass when the candidate's final-window mean loss is within `tolerance` (relative) of the
-    reference's, and every value is finite. The curves are compared over their common length.
-    """
-    if tolerance <= 0:
-        raise ValueError(f"tolerance={tolerance} must be > 0")
-    if window < 1:
-        raise ValueError(f"window={window} must be >= 1")
-    n = min(len(candidate), len(reference))
-    if n == 0:
-        raise ValueError("parity needs two non-empty loss curves (per-step training losses)")
-    window = min(window, n)
-    cand = [float(x) for x in candidate[:n]]
-    ref = [float(x) for x in reference[:n]]
-    if not all(math.isfinite(x) for x in ref):
-        raise ValueError("the reference loss curve holds inf/nan; it cannot serve as a reference")
-    bad = next((i for i, x in enumerate(cand) if not math.isfinite(x)), None)
-    cw, rw = _window_means(cand, window) if bad is None else [], _window_means(ref, window)
-    if bad is not None:
-        return ParityResult(False, math.inf, math.inf, tolerance, math.nan, rw[-1], n, window,
-                            f"candidate loss is {cand[bad]} at step {bad + 1}")  # fmt: skip
-    rel = [abs(c - r) / max(abs(r), 1e-12) for c, r in zip(cw, rw)]
-    gap, max_gap = rel[-1], max(rel)
-    passed = gap <= tolerance
-    verdict = "within" if passed else "outside"
-    reason = (
-        f"final {window}-step mean loss {cw[-1]:.4f} vs reference {rw[-1]:.4f}: "
-        f"gap {gap:.2%} {verdict} tolerance {tolerance:.2%}"
-    )
-    return ParityResult(passed, gap, max_gap, tolerance, cw[-1], rw[-1], n, window, reason)
 
 
 __all__ = [

@@ -308,7 +308,7 @@ class Session:
         """shapes.mode=auto: pack or bucket, by timing both on this model (see slipstream.trial)."""
         from dataclasses import replace
 
-        from .trial import TrialError, time_loader
+        from .trial import TrialError, time_loaders
 
         if self.model is None:
             return Decision("shapes.mode", "pack", "model not prepared before the loader: not measured")
@@ -317,14 +317,15 @@ class Session:
                 "shapes.mode", "bucket", f"{type(self.model).__name__}.forward takes no document_ids"
             )
         model = getattr(self.model, "_orig_mod", self.model)  # eager: a trial must not compile
-        speeds = {}
+        loaders = {
+            mode: ShapedLoader(
+                sequences, replace(cfg, mode=mode), seed=self.recipe.runtime.seed,
+                device=self.device, pad_id=pad_id, lengths=lengths,
+            )  # fmt: skip
+            for mode in ("bucket", "pack")
+        }
         try:
-            for mode in ("bucket", "pack"):
-                loader = ShapedLoader(
-                    sequences, replace(cfg, mode=mode), seed=self.recipe.runtime.seed,
-                    device=self.device, pad_id=pad_id, lengths=lengths,
-                )  # fmt: skip
-                speeds[mode] = time_loader(model, loader, self.autocast, self.device)
+            speeds = time_loaders(model, loaders, self.autocast, self.device)
         except TrialError as err:
             return Decision("shapes.mode", "pack", f"not measured ({err})")
         choice = max(speeds, key=lambda m: speeds[m].real_tokens_per_s)

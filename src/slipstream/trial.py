@@ -64,43 +64,67 @@ def _slice(batch: Batch, rows: int) -> dict[str, torch.Tensor]:
     return {k: v[:rows] for k, v in batch.items()}
 
 
-def time_loader(
+def time_loaders(
     model: nn.Module,
-    loader: ShapedLoader,
+    loaders: dict[str, ShapedLoader],
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
-    repeats: int = 1,
-) -> LoaderTiming:
-    """Estimated real tokens/s of training `model` on `loader`'s epoch: each distinct shape timed
-    (best of `repeats`) on a slice of SLICE_TOKENS positions, after one untimed warm-up step."""
-    plans = loader.plans(epoch=0)
-    by_shape: dict[tuple[int, int], list] = {}
-    for plan in plans:
-        by_shape.setdefault(plan.shape, []).append(plan)
-    real_total = sum(sum(len(s) for row in p.rows for s in row) for p in plans)
-    t_start = time.perf_counter()
-    epoch_s, steps = 0.0, 0
+    passes: int = 2,
+) -> dict[str, LoaderTiming]:
+    """Estimated real tokens/s of training `model` on each loader's epoch.
+
+    Each distinct planned shape is timed on a slice of about SLICE_TOKENS positions and weighed by
+    how many batches of the epoch have it. The loaders are timed in alternating passes (A B A B,
+    after one untimed warm-up step) and each shape keeps its best time, so a burst of load from
+    another process on a shared machine skews neither side."""
+    groups: dict[str, dict[tuple[int, int], list]] = {}
+    real: dict[str, int] = {}
+    for name, loader in loaders.items():
+        plans = loader.plans(epoch=0)
+        by_shape: dict[tuple[int, int], list] = {}
+        for plan in plans:
+            by_shape.setdefault(plan.shape, []).append(plan)
+        groups[name] = by_shape
+        real[name] = sum(sum(len(s) for row in p.rows for s in row) for p in plans)
+    best: dict[tuple[str, tuple[int, int]], float] = {}
+    batches: dict[tuple[str, tuple[int, int]], dict[str, torch.Tensor]] = {}
+    spent = dict.fromkeys(loaders, 0.0)
+    steps = dict.fromkeys(loaders, 0)
+
+    def step(batch: dict[str, torch.Tensor]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with autocast():
+            loss = _loss_of(model(**batch))
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
     with _untouched(model, device):
-        for (B, T), group in by_shape.items():
-            rows = max(1, min(B, math.ceil(SLICE_TOKENS / T)))
-            batch = _slice(loader.make_batch(group[0]), rows)
-            best = math.inf
-            warm = steps == 0  # the loader's first call allocates and warms caches: not timed
-            for i in range(repeats + int(warm)):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                with autocast():
-                    loss = _loss_of(model(**batch))
-                loss.backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if not (warm and i == 0):
-                    best = min(best, time.perf_counter() - t0)
-                steps += 1
-                model.zero_grad(set_to_none=True)
-            epoch_s += best * (B / rows) * len(group)
-    return LoaderTiming(real_total / epoch_s, len(by_shape), steps, time.perf_counter() - t_start)
+        for p in range(passes):
+            for name, loader in loaders.items():
+                t_start = time.perf_counter()
+                for shape, group in groups[name].items():
+                    key = (name, shape)
+                    if key not in batches:
+                        rows = max(1, min(shape[0], math.ceil(SLICE_TOKENS / shape[1])))
+                        batches[key] = _slice(loader.make_batch(group[0]), rows)
+                        if p == 0 and len(batches) == 1:
+                            step(batches[key])  # the first step allocates and warms caches
+                    best[key] = min(best.get(key, math.inf), step(batches[key]))
+                    steps[name] += 1
+                spent[name] += time.perf_counter() - t_start
+    out = {}
+    for name, by_shape in groups.items():
+        epoch_s = 0.0
+        for shape, group in by_shape.items():
+            rows = next(iter(batches[(name, shape)].values())).shape[0]
+            epoch_s += best[(name, shape)] * (shape[0] / rows) * len(group)
+        out[name] = LoaderTiming(real[name] / epoch_s, len(by_shape), steps[name], spent[name])
+    return out
 
 
-__all__ = ["SLICE_TOKENS", "LoaderTiming", "TrialError", "time_loader"]
+__all__ = ["SLICE_TOKENS", "LoaderTiming", "TrialError", "time_loaders"]

@@ -90,7 +90,7 @@ def test_cli_bench_writes_json_and_report(tmp_path):
 
 
 def test_parity_is_judged_against_the_seed_band_measured_in_the_run(result):
-    from slipstream.bench.runner import judge_parity, noise_band
+    from slipstream.parity import judge_parity, noise_band
 
     m = result["method"]
     assert len(m["parity_noise_val_losses"]) == 3  # the reference and two re-runs with other seeds
@@ -113,7 +113,9 @@ def test_every_contender_trains_on_the_references_real_tokens_per_step():
     target = real_tokens_per_step(ref.loader)
     pack_spec = "pack+shapes.max_len=256+shapes.tokens_per_batch=2048"
     unmatched = RecipeContender(pack_spec, "gpt-stdlib", "tiny", data, 1, ref.recipe)
-    matched = RecipeContender(pack_spec, "gpt-stdlib", "tiny", data, 1, ref.recipe, real_tokens_per_step=target)
+    matched = RecipeContender(
+        pack_spec, "gpt-stdlib", "tiny", data, 1, ref.recipe, real_tokens_per_step=target
+    )
     assert real_tokens_per_step(unmatched.loader) > 1.1 * target  # packing fills rows: fuller steps
     assert real_tokens_per_step(matched.loader) == pytest.approx(target, rel=0.05)
 

@@ -18,6 +18,7 @@ import contextlib
 import importlib.util
 import logging
 import time
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -31,12 +32,17 @@ from .runner import Contender, LoopContender, RoundStats, _sync, matched_loader
 
 @contextlib.contextmanager
 def _quiet_loggers(*names: str):
+    """Silence these libraries' loggers and their deprecation/user warnings (restored after)."""
     loggers = [logging.getLogger(n) for n in names]
     levels = [log.level for log in loggers]
     for log in loggers:
         log.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            for name in names:
+                warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")
+                warnings.filterwarnings("ignore", message=r".*(treespec|LeafSpec|litmodels).*")
+            yield
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)

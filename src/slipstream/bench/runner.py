@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..metrics import dynamo_graph_count
+from ..parity import judge_parity, noise_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
 from ..session import Session
@@ -316,26 +317,6 @@ def _iqr(values: list[float]) -> float:
     return float(q75 - q25)
 
 
-def noise_band(reference_losses: list[float]) -> float:
-    """The largest relative gap between any two runs of the reference recipe that differ only in
-    seed (model init and data order): how far apart "the same training" lands on this run."""
-    vals = [v for v in reference_losses if math.isfinite(v)]
-    if len(vals) < 2:
-        return 0.0
-    mean = sum(vals) / len(vals)
-    return (max(vals) - min(vals)) / mean if mean else 0.0
-
-
-def judge_parity(val: float, ref_val: float, band: float, floor: float) -> tuple[str, float, float]:
-    """(verdict, gap, allowed): pass when the validation-loss gap to the reference is within the
-    seed noise band measured in this run (never below `floor`); a non-finite loss fails."""
-    allowed = max(band, floor)
-    if not math.isfinite(val):
-        return "fail", math.inf, allowed
-    gap = abs(val - ref_val) / ref_val if ref_val else 0.0
-    return ("pass" if gap <= allowed else "fail"), gap, allowed
-
-
 def dtype_skip_reason(recipe: Recipe) -> str | None:
     """Why a recipe that asks for a cheaper dtype is not worth running here (None: run it).
 
@@ -376,6 +357,7 @@ def run_bench(
     all_dtypes: bool = False,
     max_round_s: float | None = None,
     real_tokens_per_step_target: float | None = None,
+    custom: dict[str, Callable[..., Contender]] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Benchmark recipes (and peers) side by side; the first contender is the reference.
@@ -385,7 +367,9 @@ def run_bench(
     the validation losses compare the same training. Parity is judged against the spread of
     `noise_seeds` extra runs of the reference with other seeds (see `noise_band`).
     `real_tokens_per_step_target` sets the matched figure instead of taking the first contender's
-    (optimize does, so that every stage trains like its original reference)."""
+    (optimize does, so that every stage trains like its original reference). `custom` maps a name
+    in `recipes` to a factory `(spec, workload, size, data, val_batches, reference, target)` for
+    contenders no recipe can express (benchmarks/parity.py's deliberately broken ones)."""
     from .peers import PEERS, PeerUnavailable
 
     say = progress or (lambda msg: None)
@@ -395,7 +379,9 @@ def run_bench(
         raise RecipeError(f"rounds={rounds} must be at least 1")
     if noise_seeds < 0:
         raise RecipeError(f"noise_seeds={noise_seeds} must be >= 0")
-    specs = [resolve_recipe(s) for s in recipes]  # fail fast on a bad spec, before any work
+    custom = custom or {}
+    # fail fast on a bad spec, before any work (a custom contender names the recipe it starts from)
+    specs = [resolve_recipe(s.split("@", 1)[-1] if s in custom else s) for s in recipes]
     for peer in peers or []:
         if peer not in PEERS:
             raise RecipeError(f"unknown peer {peer!r}; available: {', '.join(PEERS)}")
@@ -415,7 +401,12 @@ def run_bench(
             skipped[spec] = why
             continue
         say(f"building {spec}")
-        c = RecipeContender(spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target)
+        if spec in custom:
+            c = custom[spec](spec, workload, size, data, val_batches, specs[0], target)
+        else:
+            c = RecipeContender(
+                spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target
+            )
         contenders.append(c)
         if match_steps and target is None:
             target = real_tokens_per_step(c.loader)

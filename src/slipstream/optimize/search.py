@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..bench.runner import judge_parity, noise_band, run_bench
 from .. import machine
+from ..bench.runner import run_bench
+from ..parity import judge_parity, noise_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
 from ..session import resolve_device
