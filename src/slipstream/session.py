@@ -319,8 +319,12 @@ class Session:
         model = getattr(self.model, "_orig_mod", self.model)  # eager: a trial must not compile
         loaders = {
             mode: ShapedLoader(
-                sequences, replace(cfg, mode=mode), seed=self.recipe.runtime.seed,
-                device=self.device, pad_id=pad_id, lengths=lengths,
+                sequences,
+                replace(cfg, mode=mode),
+                seed=self.recipe.runtime.seed,
+                device=self.device,
+                pad_id=pad_id,
+                lengths=lengths,
             )  # fmt: skip
             for mode in ("bucket", "pack")
         }
