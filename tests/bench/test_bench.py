@@ -69,7 +69,7 @@ def test_bad_recipe_fails_before_any_work():
         )
 
 
-def test_cli_bench_writes_json_and_report(tmp_path):
+def test_cli_bench_writes_json_and_report(tmp_path, capsys):
     out, rep = tmp_path / "b.json", tmp_path / "b.html"
     code = main(
         [
@@ -87,6 +87,31 @@ def test_cli_bench_writes_json_and_report(tmp_path):
     )
     assert code == 0 and rep.exists() and rep.with_suffix(".md").exists()
     jsonschema.validate(json.loads(out.read_text()), SCHEMA)
+    # not a terminal: plain time-stamped progress lines, one per contender and round
+    err = capsys.readouterr().err
+    assert "[bench" in err and f"round 1/1 baseline{SMALL}:" in err and "real tok/s" in err
+
+
+def test_a_custom_contender_runs_beside_the_recipes():
+    from slipstream.bench.runner import RecipeContender
+
+    built = []
+
+    def factory(spec, workload, size, data, val_batches, reference, target):
+        built.append(target)
+        return RecipeContender(
+            spec.split("@", 1)[1], workload, size, data, val_batches, reference,
+            real_tokens_per_step=target, name=spec,
+        )  # fmt: skip
+
+    res = run_bench(
+        "gpt-stdlib",
+        ["baseline" + SMALL, "mine@pad-batch" + SMALL],
+        size="tiny", rounds=1, round_tokens=300, warmup_steps=1, val_batches=1, memory="skip",
+        noise_seeds=0, custom={"mine@pad-batch" + SMALL: factory},
+    )  # fmt: skip
+    assert [c.name for c in res.contenders][1] == "mine@pad-batch" + SMALL
+    assert built == [res.method["real_tokens_per_step"]]
 
 
 def test_parity_is_judged_against_the_seed_band_measured_in_the_run(result):
