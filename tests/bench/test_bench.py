@@ -161,3 +161,47 @@ def test_a_dtype_the_probe_measured_far_slower_is_skipped_with_the_figures(machi
     assert [c.name for c in res.contenders] == ["baseline" + SMALL]
     why = res.skipped["bf16" + SMALL]
     assert "GFLOP/s" in why and "--all-dtypes" in why
+
+
+def test_a_contender_that_fails_is_dropped_with_the_error_when_tolerated():
+    broken = "baseline" + SMALL + "+compile.cudagraphs=true"  # CUDA graphs on a CPU: refused at build
+    res = run_bench(
+        "gpt-stdlib", ["baseline" + SMALL, broken], size="tiny", rounds=1, round_tokens=300,
+        warmup_steps=1, val_batches=1, memory="skip", noise_seeds=0, tolerate_failures=True,
+    )  # fmt: skip
+    assert [c.name for c in res.contenders] == ["baseline" + SMALL]
+    assert res.skipped[broken].startswith("failed to build: RecipeError: compile.cudagraphs=true needs CUDA")
+    with pytest.raises(RecipeError, match="needs CUDA"):
+        run_bench("gpt-stdlib", ["baseline" + SMALL, broken], size="tiny", rounds=1, round_tokens=300,
+                  memory="skip", noise_seeds=0)  # fmt: skip
+
+
+def test_a_contender_that_crashes_mid_run_is_dropped_and_the_rest_finish():
+    from slipstream.bench.runner import RecipeContender
+
+    class RunsOutOfMemory(RecipeContender):
+        def train_step(self, batch):
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 GB")
+
+    def factory(spec, workload, size, data, val_batches, reference, target):
+        return RunsOutOfMemory(
+            "pad-batch" + SMALL,
+            workload,
+            size,
+            data,
+            val_batches,
+            reference,
+            real_tokens_per_step=target,
+            name=spec,
+        )
+
+    res = run_bench(
+        "gpt-stdlib", ["baseline" + SMALL, "oom@pad-batch" + SMALL], size="tiny", rounds=2,
+        round_tokens=300, warmup_steps=1, val_batches=1, memory="skip", noise_seeds=0,
+        tolerate_failures=True, custom={"oom@pad-batch" + SMALL: factory},
+    )  # fmt: skip
+    assert [c.name for c in res.contenders] == ["baseline" + SMALL]
+    assert (
+        "failed while training: RuntimeError: DefaultCPUAllocator: not enough memory"
+        in res.skipped["oom@pad-batch" + SMALL]
+    )

@@ -317,6 +317,11 @@ def _iqr(values: list[float]) -> float:
     return float(q75 - q25)
 
 
+def _failure(what: str, err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return f"{what}: {type(err).__name__}: {first}"
+
+
 def dtype_skip_reason(recipe: Recipe) -> str | None:
     """Why a recipe that asks for a cheaper dtype is not worth running here (None: run it).
 
@@ -358,6 +363,7 @@ def run_bench(
     max_round_s: float | None = None,
     real_tokens_per_step_target: float | None = None,
     custom: dict[str, Callable[..., Contender]] | None = None,
+    tolerate_failures: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Benchmark recipes (and peers) side by side; the first contender is the reference.
@@ -368,8 +374,11 @@ def run_bench(
     `noise_seeds` extra runs of the reference with other seeds (see `noise_band`).
     `real_tokens_per_step_target` sets the matched figure instead of taking the first contender's
     (optimize does, so that every stage trains like its original reference). `custom` maps a name
-    in `recipes` to a factory `(spec, workload, size, data, val_batches, reference, target)` for
-    contenders no recipe can express (benchmarks/parity.py's deliberately broken ones)."""
+    in `recipes`, written `label@recipe-spec` (the recipe it starts from), to a factory `(spec, workload, size, data, val_batches, reference, target)` for
+    contenders no recipe can express (benchmarks/parity.py's deliberately broken ones). With
+    `tolerate_failures` a contender (other than the reference) that fails to build, runs out of
+    memory or crashes mid-round is dropped and listed under `skipped` with the error; the rest go on
+    (optimize relies on this: a broken candidate is a rejected candidate, not a failed search)."""
     from .peers import PEERS, PeerUnavailable
 
     say = progress or (lambda msg: None)
@@ -401,12 +410,19 @@ def run_bench(
             skipped[spec] = why
             continue
         say(f"building {spec}")
-        if spec in custom:
-            c = custom[spec](spec, workload, size, data, val_batches, specs[0], target)
-        else:
-            c = RecipeContender(
-                spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target
-            )
+        try:
+            if spec in custom:
+                c = custom[spec](spec, workload, size, data, val_batches, specs[0], target)
+            else:
+                c = RecipeContender(
+                    spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target
+                )
+        except Exception as err:
+            if not tolerate_failures or spec == recipes[0]:
+                raise
+            skipped[spec] = _failure("failed to build", err)
+            say(f"skipping {spec}: {skipped[spec]}")
+            continue
         contenders.append(c)
         if match_steps and target is None:
             target = real_tokens_per_step(c.loader)
@@ -432,10 +448,19 @@ def run_bench(
     everyone = contenders + noise
     recompiles: dict[str, int] = {c.name: 0 for c in everyone}
     capped: set[str] = set()
+    failed: set[str] = set()
 
-    def counted_round(c: Contender, budget: int | None, max_steps: int | None = None) -> RoundStats:
+    def counted_round(c: Contender, budget: int | None, max_steps: int | None = None) -> RoundStats | None:
         before = dynamo_graph_count()
-        stats = c.run_round(budget, max_steps=max_steps, max_seconds=max_round_s)
+        try:
+            stats = c.run_round(budget, max_steps=max_steps, max_seconds=max_round_s)
+        except Exception as err:  # out of memory, a crash in a kernel or compiler
+            if not tolerate_failures or c is contenders[0]:
+                raise
+            skipped[c.name] = _failure("failed while training", err)
+            say(f"dropping {c.name}: {skipped[c.name]}")
+            failed.add(c.name)
+            return None
         recompiles[c.name] += dynamo_graph_count() - before
         if budget is not None and stats.real_tokens < budget:
             capped.add(c.name)
@@ -444,15 +469,20 @@ def run_bench(
     for c in everyone:
         say(f"warm-up {c.name}")
         t0 = time.perf_counter()
-        c.run_round(None, max_steps=1)  # the first step's graphs are compiles, not recompiles
-        if warmup_steps > 1:
+        first = counted_round(c, None, 1)
+        recompiles[c.name] = 0  # the first step's graphs are compiles, not recompiles
+        if first is not None and warmup_steps > 1:
             counted_round(c, None, warmup_steps - 1)
         warm[c.name] = time.perf_counter() - t0
 
     per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
     for r in range(rounds):
         for c in everyone:  # interleaved: A B C A B C ...
+            if c.name in failed:
+                continue
             st = counted_round(c, budget)
+            if st is None:
+                continue
             per_round[c.name].append(st)
             say(
                 f"round {r + 1}/{rounds} {c.name}: {st.real_tokens / st.seconds:,.0f} real tok/s "
@@ -462,7 +492,10 @@ def run_bench(
     say("reading the peak matmul rate (machine probe)")
     peak = peak_flops_from_probe(device)
     noise_losses = []
+    contenders = [c for c in contenders if c.name not in failed]
     for c in noise:
+        if c.name in failed:
+            continue
         say(f"validation {c.name}")
         noise_losses.append(c.validation_loss())
     results: list[ContenderResult] = []

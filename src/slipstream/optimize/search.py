@@ -221,6 +221,7 @@ def optimize(
         res = run_bench(
             workload,
             specs,
+            tolerate_failures=True,
             noise_seeds=0,
             parity_floor=parity_floor,
             real_tokens_per_step_target=target,
