@@ -111,6 +111,9 @@ def test_describe_prints_a_verdict_per_dtype_and_the_copy_bandwidth():
     text = "\n".join(machine.describe(p))
     assert "bf16 0.8 GFLOP/s vs fp32 60.0 GFLOP/s at 1024^2 (0.01x): not used" in text
     assert "copy host_memcpy: 10.0 GB/s" in text and "compile: ok" in text
+    assert "load average" not in text
+    p.load_average_1m = 2.7  # a probe taken while other jobs ran says so, and how to redo it
+    assert "load average was 2.7" in "\n".join(machine.describe(p)) and "--refresh" in machine.describe(p)[-1]
 
 
 # ----------------------------------------------------------------------------- the cache

@@ -43,6 +43,9 @@ SLOW_CALL_S = 0.25
 """A next-size matmul predicted slower than this stops the larger sizes of that dtype (an unaccelerated bf16
 1024^2 matmul takes ~3 s on an AVX2 CPU; measuring it would blow the probe's time budget)."""
 
+BUSY_LOAD_PER_THREAD = 0.5
+"""A load average above this per probe thread means the figures were taken on a busy machine."""
+
 PAYS_RATIO = 1.15
 """A cheaper dtype is chosen only when its matmuls run at least this much faster than fp32's.
 Autocast adds casts and keeps softmax, norms and the loss in fp32, so a dtype whose matmuls are
@@ -87,6 +90,9 @@ class MachineProbe:
     probe_s: float = 0.0
     """Seconds the measurement took (cold), not counting checks."""
     version: int = PROBE_VERSION
+    load_average_1m: float | None = None
+    """The host's 1-minute load average when the figures were taken: other jobs on a 2-core
+    machine skew them (describe() then says to re-measure with --refresh)."""
     cached: bool = False
     """True when read back from the cache file rather than measured by this process (not saved:
     the file always says False)."""
@@ -394,6 +400,7 @@ def probe(
             measured_at=datetime.datetime.now().isoformat(timespec="seconds"),
         )
         result.probe_s = time.perf_counter() - t0
+        result.load_average_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         dirty = True
     for name in checks:
         if name in result.checks:
@@ -510,6 +517,12 @@ def describe(p: MachineProbe) -> list[str]:
         lines.append(f"copy {kind}: {bps / 1e9:.1f} GB/s")
     for name, c in p.checks.items():
         lines.append(f"{name}: {'ok' if c.ok else 'no'} ({c.detail})")
+    busy = BUSY_LOAD_PER_THREAD * max(1, int(p.fingerprint.get("threads", 1)))
+    if p.load_average_1m is not None and p.load_average_1m > busy:
+        lines.append(
+            f"note: measured while the 1-min load average was {p.load_average_1m:.1f}: other jobs "
+            "may have skewed these figures; `slipstream doctor --refresh` on a quiet machine"
+        )
     return lines
 
 
