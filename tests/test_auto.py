@@ -145,3 +145,26 @@ def test_auto_recipe_trains_end_to_end_and_reports_its_decisions(machine_like):
     assert decisions["precision.dtype"]["choice"] == "fp32"
     assert decisions["shapes.mode"]["choice"] in ("bucket", "pack")
     assert "kernels.ops" in decisions and len(result.loss) == 3
+
+
+def test_a_resumed_run_keeps_its_auto_decisions(tmp_path, machine_like, monkeypatch):
+    from slipstream import trial
+
+    machine_like(bf16=4.0)
+    spec = "auto+shapes.max_len=128+shapes.tokens_per_batch=512"
+    first = slipstream.train(
+        "gpt-stdlib", spec, 2, size="tiny", eval_every=0, progress=False,
+        checkpoint_dir=tmp_path, checkpoint_every=2,
+    )  # fmt: skip
+    chosen = first.metrics.extra["decisions"]
+    # the machine now measures otherwise, and a new trial would fail: the resumed run must not ask
+    machine_like(bf16=0.01)
+    monkeypatch.setattr(trial, "time_loaders", lambda *a, **k: pytest.fail("timed again on resume"))
+    resumed = slipstream.train(
+        "gpt-stdlib", spec, 3, size="tiny", eval_every=0, progress=False,
+        checkpoint_dir=tmp_path, checkpoint_every=2, resume=True,
+    )  # fmt: skip
+    again = resumed.metrics.extra["decisions"]
+    assert again["precision.dtype"]["choice"] == chosen["precision.dtype"]["choice"] == "bf16"
+    assert again["precision.dtype"]["reason"].startswith("kept from the resumed run")
+    assert again["shapes.mode"] == chosen["shapes.mode"]

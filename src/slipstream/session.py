@@ -129,9 +129,13 @@ def _accepts_document_ids(model: nn.Module) -> bool:
 
 
 class Session:
-    def __init__(self, recipe: Recipe | str | None = None):
+    def __init__(
+        self, recipe: Recipe | str | None = None, *, decisions: dict[str, dict[str, str]] | None = None
+    ):
         """`recipe`: a Recipe, a preset name ("bf16"), a recipe file ("my.toml") or a spec
-        ("baseline+shapes.mode=bucket"); None is the default Recipe()."""
+        ("baseline+shapes.mode=bucket"); None is the default Recipe(). `decisions`: `auto`
+        choices taken earlier (a resumed run's `state_dict()["decisions"]`), reused instead of
+        measured again, so a resumed run keeps its dtype and data order."""
         import os
 
         if isinstance(recipe, (str, os.PathLike)):
@@ -145,12 +149,23 @@ class Session:
             )
         self.recipe = recipe if recipe is not None else Recipe()
         self.device = resolve_device(self.recipe.runtime.device)
-        decision = resolve_precision_decision(self.recipe.precision, self.device)
+        earlier = dict(decisions or {})
+        if self.recipe.precision.dtype == "auto" and "precision.dtype" in earlier:
+            kept = earlier["precision.dtype"]
+            decision = Decision(
+                "precision.dtype", kept["choice"], f"kept from the resumed run: {kept['reason']}"
+            )
+        else:
+            decision = resolve_precision_decision(self.recipe.precision, self.device)
         self.precision = decision.choice
         seed_everything(self.recipe.runtime.seed, self.recipe.runtime.deterministic)
         self.tracker = MetricsTracker(self.device, self.precision)
-        self.decisions: dict[str, dict[str, str]] = {}
+        self.decisions: dict[str, dict[str, str]] = {
+            k: v for k, v in earlier.items() if k != "precision.dtype"
+        }
         """Every `auto` this session resolved: field -> {choice, reason} (also in metrics)."""
+        if self.decisions:
+            self.tracker.extra["decisions"] = self.decisions
         if self.recipe.precision.dtype == "auto":
             self.tracker.extra["precision_auto_choice"] = self.precision
             self.record(decision)
@@ -402,6 +417,7 @@ class Session:
 
     def state_dict(self) -> dict[str, object]:
         return {
+            "decisions": dict(self.decisions),
             "step_count": self.step_count,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "schedulers": {k: s.state_dict() for k, s in enumerate(self.schedulers.values())},

@@ -168,7 +168,9 @@ def train(
     if saved is not None:
         _check_identity(saved["identity"], identity, ckpt_path)  # type: ignore[arg-type]
 
-    session = Session(recipe)
+    # A resumed run keeps the `auto` choices it made (a new trial could pick another data order).
+    earlier = saved["session"].get("decisions") if saved is not None else None  # type: ignore[union-attr]
+    session = Session(recipe, decisions=earlier)
     data = wl.load_data()
     model = session.prepare_model(wl.model(size, recipe.shapes.max_len))
     optimizer = session.build_optimizer(model, total_steps=steps)
