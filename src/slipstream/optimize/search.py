@@ -245,6 +245,8 @@ def optimize(
             cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
             if verdict != "pass":
                 cand.verdict = f"rejected: parity gap {gap:.2%} > {allowed:.2%}"
+            elif ratio <= 1:
+                cand.verdict = f"rejected: slower ({ratio:.3f}x)"
             elif ratio <= 1 + noise:
                 cand.verdict = f"rejected: {ratio:.3f}x is within the noise ({noise:.1%})"
             else:
