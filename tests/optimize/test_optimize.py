@@ -110,3 +110,21 @@ def test_real_run_writes_a_loadable_recipe_and_reports(tmp_path, machine_like):
     assert len(report["reference_val_losses"]) == 2
     assert "<table>" in (out / "report.html").read_text()
     assert report["best_spec"] in (out / "report.md").read_text()
+
+
+def test_the_bucket_count_is_refined_by_fibonacci_search_on_optuna(monkeypatch, machine_like):
+    pytest.importorskip("optuna")
+    machine_like(bf16=0.5, fp16=0.5)
+    calls = []
+    # real tok/s peaks at 12 buckets (a unimodal curve the Fibonacci search should walk up)
+    figures = {"base": (100.0, 1.0, 3.0), "shapes.mode=bucket": (150.0, 1.0, 3.0)}
+    for k in range(2, 33):
+        figures[f"shapes.buckets={k}"] = (150.0 * (1.2 - abs(k - 12) / 100), 1.0, 3.0)
+    monkeypatch.setattr(search, "run_bench", fake_bench(figures, calls))
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=1000, stages=("shapes", "buckets"))
+    refined = [c for c in res.candidates if c.stage == "buckets"]
+    assert len(refined) == 1 and refined[0].verdict.startswith("kept")
+    k = int(refined[0].overrides[0].split("=")[1])
+    assert abs(k - 12) <= 4, k  # 4 Fibonacci evaluations bracket the peak within a few buckets
+    assert res.best_overrides == ["shapes.mode=bucket", f"shapes.buckets={k}"]
+    assert 4 <= len(calls) <= 2 + search.BUCKET_TRIALS + 1  # reference, shapes, <= 4 trials, the final stage

@@ -33,6 +33,13 @@ MIN_GAIN = 0.02
 """A change must be at least 2% faster to be kept, even when a stage's rounds agree more closely:
 below that a re-run on a shared 2-core machine flips the order."""
 
+BUCKETS_RANGE = (2, 32)
+"""shapes.buckets searched by the tune module's Fibonacci sampler (Optuna) when bucket won shapes:
+few buckets pad more, many buckets mean more distinct shapes (compiles, smaller batches)."""
+
+BUCKET_TRIALS = 4
+"""Fibonacci evaluations of the bucket count (each a side-by-side run against the current best)."""
+
 TRY_DTYPE_RATIO = 0.8
 """The precision stage measures a cheaper dtype end to end when its matmuls reached at least this
 fraction of fp32's in the probe (a near-tie can still win on memory traffic); below it, the probe's
@@ -57,6 +64,7 @@ STAGES: dict[str, Stage] = {
         ),
     ),
     "buckets": Stage("buckets", (("shapes.buckets=4",), ("shapes.buckets=16",))),
+    # ^ with Optuna installed, refined by Fibonacci search over BUCKETS_RANGE instead (_refine_buckets)
     "precision": Stage("precision", (("precision.dtype=bf16",), ("precision.dtype=fp16",))),
     "kernels": Stage("kernels", (("kernels.ops=auto",),)),
     "compile": Stage("compile", (("compile.mode=default",),)),
@@ -152,6 +160,46 @@ def _stage_options(stage: Stage, best: Recipe, device, say) -> tuple[list[tuple[
     return keep, notes
 
 
+def _has_optuna() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("optuna") is not None
+
+
+def _refine_buckets(measure, best: Recipe, left_s: float, trial_s: float, say) -> list[tuple[str, ...]]:
+    """Fibonacci search (tune.fibonacci on Optuna) of shapes.buckets around the current best: each
+    trial measures one bucket count side by side with the current best and scores the ratio. The
+    best count found is returned as the stage's candidate, to be measured and judged like any other."""
+    import optuna
+
+    from ..tune.fibonacci import FibonacciSampler
+
+    trials = max(0, min(BUCKET_TRIALS, int(left_s // max(trial_s, 1e-9)) - 2))
+    current = best.shapes.buckets
+    if trials < 2:
+        return [("shapes.buckets=4",), ("shapes.buckets=16",)]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=FibonacciSampler(trials, seed=0))
+    seen: dict[int, float] = {}
+
+    def objective(trial) -> float:
+        k = trial.suggest_int("buckets", *BUCKETS_RANGE)
+        if k == current:
+            return 1.0
+        if k not in seen:
+            res = measure([(f"shapes.buckets={k}",)])
+            cs = res.contenders
+            seen[k] = cs[1].real_tokens_per_s / cs[0].real_tokens_per_s if len(cs) > 1 else 0.0
+            say(f"  buckets={k}: {seen[k]:.3f}x buckets={current}")
+        return seen[k]
+
+    study.optimize(objective, n_trials=trials)
+    k = int(study.best_params["buckets"])
+    if k == current:
+        k = max(seen, key=seen.get) if seen else BUCKETS_RANGE[0]
+    return [(f"shapes.buckets={k}",)]
+
+
 def optimize(
     workload: str = "gpt-stdlib",
     *,
@@ -216,6 +264,18 @@ def optimize(
                 )
             say(f"stage {name}: {outcome[name]}")
             continue
+        if name == "buckets" and _has_optuna():
+            options = _refine_buckets(
+                lambda opts, best=best: run_bench(
+                    workload, [_spec(base, best)] + [_spec(base, _merge(best, o)) for o in opts],
+                    tolerate_failures=True, noise_seeds=0, parity_floor=parity_floor,
+                    real_tokens_per_step_target=target, **common,
+                ),
+                best_recipe,
+                left,
+                2 * per_contender_s,
+                say,
+            )  # fmt: skip
         specs = [_spec(base, best)] + [_spec(base, _merge(best, opt)) for opt in options]
         say(f"stage {name}: {len(options)} candidate(s) against {specs[0]}")
         res = run_bench(
