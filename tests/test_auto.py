@@ -168,3 +168,39 @@ def test_a_resumed_run_keeps_its_auto_decisions(tmp_path, machine_like, monkeypa
     assert again["precision.dtype"]["choice"] == chosen["precision.dtype"]["choice"] == "bf16"
     assert again["precision.dtype"]["reason"].startswith("kept from the resumed run")
     assert again["shapes.mode"] == chosen["shapes.mode"]
+
+
+def test_optimizer_impl_auto_is_timed_on_copies_and_leaves_the_model_alone(machine_like):
+    machine_like(bf16=0.5)
+    session = Session(Recipe(runtime=RuntimeConfig(device="cpu")))
+    model = session.prepare_model(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = session.build_optimizer(model)
+    why = session.decisions["optimizer.impl"]
+    assert why["choice"] in ("fused", "for-loop", "foreach") and " ms" in why["reason"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    fused = optimizer.defaults.get("fused") or False
+    assert fused == (why["choice"] == "fused")
+    assert session.metrics().extra["optimizer_impl"] == why["choice"]
+
+
+def test_the_fastest_optimizer_impl_wins_and_a_slow_one_is_not_repeated(monkeypatch):
+    from slipstream import trial
+
+    calls: dict[str, int] = {}
+    cost = {"fused": 0.01, "for-loop": 0.2, "foreach": 0.02}
+
+    class Fake:
+        def __init__(self, impl):
+            self.impl = impl
+
+        def step(self):
+            calls[self.impl] = calls.get(self.impl, 0) + 1
+            time.sleep(cost[self.impl])
+
+    params = [torch.zeros(3, requires_grad=True)]
+    out = trial.time_optimizer_impls(params, lambda copies, impl: Fake(impl), steps=3)
+    assert min(out, key=out.get) == "fused"
+    assert calls == {"fused": 4, "for-loop": 1, "foreach": 4}  # for-loop: warm-up alone was 20x slower
+    assert params[0].grad is None

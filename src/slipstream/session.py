@@ -22,6 +22,7 @@ import contextlib
 import inspect
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -128,6 +129,16 @@ def _accepts_document_ids(model: nn.Module) -> bool:
     return "document_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+class _Params(nn.Module):
+    """Parameters without a model: what build_optimizer needs to build an optimizer over copies."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.tensors = nn.ParameterList(nn.Parameter(t.detach(), requires_grad=True) for t in tensors)
+        for p, t in zip(self.tensors, tensors):
+            p.grad = t.grad
+
+
 class Session:
     def __init__(
         self, recipe: Recipe | str | None = None, *, decisions: dict[str, dict[str, str]] | None = None
@@ -204,12 +215,13 @@ class Session:
 
     def build_optimizer(self, model: nn.Module, total_steps: int | None = None) -> torch.optim.Optimizer:
         """The recipe's optimizer over `model`, already prepared (schedule over `total_steps`)."""
-        impl = resolve_optimizer_impl(self.recipe.optimizer, self.device)
-        self.tracker.extra["optimizer_impl"] = impl
-        if self.recipe.optimizer.impl == "auto":
-            why = "one fused kernel for all parameters on CUDA" if impl == "fused" else "torch's default"
-            self.record(Decision("optimizer.impl", impl, why))
-        optimizer = build_optimizer(model, self.recipe.optimizer, self.device)
+        cfg = self.recipe.optimizer
+        if cfg.impl == "auto":
+            decision = self._decide_optimizer_impl(model)
+            self.record(decision)
+            cfg = replace(cfg, impl=decision.choice)  # type: ignore[arg-type]
+        self.tracker.extra["optimizer_impl"] = resolve_optimizer_impl(cfg, self.device)
+        optimizer = build_optimizer(model, cfg, self.device)
         return self.prepare_optimizer(optimizer, total_steps)
 
     def prepare_optimizer(
@@ -311,6 +323,29 @@ class Session:
         if not flow.prefetch:
             return loader
         return PrefetchLoader(loader, flow.prefetch_depth, device=self.device, on_batch=self.tracker.on_batch)
+
+    def _decide_optimizer_impl(self, model: nn.Module) -> Decision:
+        """optimizer.impl=auto: foreach or fused, timed on copies of this model's parameters."""
+        from .trial import time_optimizer_impls
+
+        if "optimizer.impl" in self.decisions:  # a resumed run keeps its choice
+            kept = self.decisions["optimizer.impl"]
+            return Decision("optimizer.impl", kept["choice"], kept["reason"])
+        params = [p for p in model.parameters() if p.requires_grad]
+        cfg = self.recipe.optimizer
+
+        def make(copies: list[torch.Tensor], impl: str) -> torch.optim.Optimizer:
+            return build_optimizer(_Params(copies), replace(cfg, impl=impl), self.device)  # type: ignore[arg-type]
+
+        timings = time_optimizer_impls(params, make) if params else None
+        if not timings:
+            choice = "fused" if self.device.type == "cuda" else "foreach"
+            return Decision("optimizer.impl", choice, "not timed (no parameters, or too large to copy)")
+        choice = min(timings, key=timings.__getitem__)
+        figures = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(timings.items()))
+        return Decision(
+            "optimizer.impl", choice, f"one optimizer step timed on copies of the parameters: {figures}"
+        )
 
     def _check_packing(self) -> None:
         if self.model is not None and not _accepts_document_ids(self.model):

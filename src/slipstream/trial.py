@@ -1,5 +1,9 @@
 """Short measured trials on the user's own model, for the `auto` choices a matmul figure cannot make.
 
+`optimizer.impl=auto` is another: torch's fused AdamW is one kernel per step on CUDA and usually
+wins there, but on a CPU fused and foreach trade places with the parameters' count and sizes, so
+both are timed on copies of the model's parameters.
+
 `shapes.mode=auto` is one: packing wastes almost no positions but makes attention document-masked
 (on CPUs SDPA with a block-diagonal mask measured ~1.45x slower than `is_causal`), while buckets pad
 ~7% but keep plain causal attention. Which wins depends on the model, the data and the machine
@@ -127,4 +131,58 @@ def time_loaders(
     return out
 
 
-__all__ = ["SLICE_TOKENS", "LoaderTiming", "TrialError", "time_loaders"]
+OPTIMIZER_TRIAL_BYTES = 512 * 2**20
+"""Parameters up to this size are copied to time optimizer implementations; larger models keep
+torch's default rather than double their memory for a trial."""
+
+
+def time_optimizer_impls(
+    params: list[torch.Tensor],
+    make: Callable[[list[torch.Tensor], str], torch.optim.Optimizer],
+    impls: tuple[str, ...] = ("fused", "for-loop", "foreach"),
+    steps: int = 3,
+) -> dict[str, float] | None:
+    """Seconds per optimizer step for each implementation, timed on copies of `params` with random
+    gradients (the user's parameters and optimizer are never touched): the best of `steps` after
+    one warm-up step. An implementation whose warm-up step is already 5x slower than the best so far
+    is not repeated (its warm-up time stands). None when the copies would be too large."""
+    if sum(p.numel() * p.element_size() for p in params) > OPTIMIZER_TRIAL_BYTES:
+        return None
+    out: dict[str, float] = {}
+    sync = torch.cuda.synchronize if params and params[0].is_cuda else (lambda: None)
+    with torch.random.fork_rng(devices=[]):
+        for impl in impls:
+            copies = [torch.zeros_like(p, requires_grad=True) for p in params]
+            for c in copies:
+                c.grad = torch.randn_like(c)
+            try:
+                opt = make(copies, impl)
+                sync()
+                t0 = time.perf_counter()
+                opt.step()  # the warm-up: allocates the moment buffers
+                sync()
+            except (RuntimeError, TypeError):  # an implementation this device or dtype lacks
+                continue
+            best = time.perf_counter() - t0
+            if out and best > 5 * min(out.values()):
+                out[impl] = best
+                continue
+            best = math.inf
+            for _ in range(steps):
+                sync()
+                t0 = time.perf_counter()
+                opt.step()
+                sync()
+                best = min(best, time.perf_counter() - t0)
+            out[impl] = best
+    return out
+
+
+__all__ = [
+    "OPTIMIZER_TRIAL_BYTES",
+    "SLICE_TOKENS",
+    "LoaderTiming",
+    "TrialError",
+    "time_loaders",
+    "time_optimizer_impls",
+]
