@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from slipstream.bench.runner import RecipeContender, run_bench
+from slipstream.bench.runner import RecipeContender, custom_factory, run_bench
 from slipstream.recipe import write_json
 
 
@@ -49,12 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         broken,
     ]
 
-    def pack_no_mask(spec, workload, size, data, val_batches, reference, target):
-        return PackWithoutDocumentMask(
-            spec.split("@", 1)[1], workload, size, data, val_batches, reference,
-            real_tokens_per_step=target, name=spec,
-        )  # fmt: skip
-
     result = run_bench(
         "gpt-stdlib",
         recipes,
@@ -64,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         memory="skip",
         noise_seeds=args.noise_seeds,
         all_dtypes=True,
-        custom={broken: pack_no_mask},
+        custom={broken: custom_factory(PackWithoutDocumentMask)},
         progress=lambda m: print(m, file=sys.stderr, flush=True),
     ).to_dict()
     m = result["method"]

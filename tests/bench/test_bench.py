@@ -93,24 +93,23 @@ def test_cli_bench_writes_json_and_report(tmp_path, capsys):
 
 
 def test_a_custom_contender_runs_beside_the_recipes():
-    from slipstream.bench.runner import RecipeContender
+    from slipstream.bench.runner import RecipeContender, custom_factory
 
     built = []
 
-    def factory(spec, workload, size, data, val_batches, reference, target):
-        built.append(target)
-        return RecipeContender(
-            spec.split("@", 1)[1], workload, size, data, val_batches, reference,
-            real_tokens_per_step=target, name=spec,
-        )  # fmt: skip
+    class Counted(RecipeContender):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs["real_tokens_per_step"])
+            super().__init__(*args, **kwargs)
 
     res = run_bench(
         "gpt-stdlib",
         ["baseline" + SMALL, "mine@pad-batch" + SMALL],
         size="tiny", rounds=1, round_tokens=300, warmup_steps=1, val_batches=1, memory="skip",
-        noise_seeds=0, custom={"mine@pad-batch" + SMALL: factory},
+        noise_seeds=0, custom={"mine@pad-batch" + SMALL: custom_factory(Counted)},
     )  # fmt: skip
-    assert [c.name for c in res.contenders][1] == "mine@pad-batch" + SMALL
+    mine = res.contenders[1]
+    assert mine.name == "mine@pad-batch" + SMALL and mine.info["recipe"]["shapes"]["mode"] == "pad_batch"
     assert built == [res.method["real_tokens_per_step"]]
 
 
@@ -177,28 +176,16 @@ def test_a_contender_that_fails_is_dropped_with_the_error_when_tolerated():
 
 
 def test_a_contender_that_crashes_mid_run_is_dropped_and_the_rest_finish():
-    from slipstream.bench.runner import RecipeContender
+    from slipstream.bench.runner import RecipeContender, custom_factory
 
     class RunsOutOfMemory(RecipeContender):
         def train_step(self, batch):
             raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 GB")
 
-    def factory(spec, workload, size, data, val_batches, reference, target):
-        return RunsOutOfMemory(
-            "pad-batch" + SMALL,
-            workload,
-            size,
-            data,
-            val_batches,
-            reference,
-            real_tokens_per_step=target,
-            name=spec,
-        )
-
     res = run_bench(
         "gpt-stdlib", ["baseline" + SMALL, "oom@pad-batch" + SMALL], size="tiny", rounds=2,
         round_tokens=300, warmup_steps=1, val_batches=1, memory="skip", noise_seeds=0,
-        tolerate_failures=True, custom={"oom@pad-batch" + SMALL: factory},
+        tolerate_failures=True, custom={"oom@pad-batch" + SMALL: custom_factory(RunsOutOfMemory)},
     )  # fmt: skip
     assert [c.name for c in res.contenders] == ["baseline" + SMALL]
     assert (

@@ -245,6 +245,19 @@ class RecipeContender(LoopContender):
         }
 
 
+def custom_factory(cls: type[RecipeContender]) -> Callable[..., RecipeContender]:
+    """The `run_bench(custom=...)` factory for a RecipeContender subclass: the contender named
+    `label@recipe-spec` is built from that recipe, matched like the others, and keeps its label."""
+
+    def build(spec, workload, size, data, val_batches, reference, target) -> RecipeContender:
+        return cls(
+            spec.split("@", 1)[1], workload, size, data, val_batches, reference,
+            real_tokens_per_step=target, name=spec,
+        )  # fmt: skip
+
+    return build
+
+
 def real_tokens_per_step(loader) -> float:
     """Mean real tokens per batch over the loader's first epoch (plans only, no tensors)."""
     plans = loader.plans(epoch=0)
