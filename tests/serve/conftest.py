@@ -50,6 +50,10 @@ def start_server(*extra: str, port: int | None = None) -> tuple[subprocess.Popen
         "1",
         "--port",
         str(port),
+        # fp32 weights whatever this host's probe says (`auto` would pick bf16 on an AMX CPU);
+        # a test that wants a mode passes its own --quantize, which comes later and wins
+        "--quantize",
+        "none",
         *extra,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
