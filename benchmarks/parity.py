@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         round_tokens=args.round_tokens,
         memory="skip",
         noise_seeds=args.noise_seeds,
-        all_dtypes=True,
+        min_dtype_speed=None,
         custom={broken: custom_factory(PackWithoutDocumentMask)},
         progress=lambda m: print(m, file=sys.stderr, flush=True),
     ).to_dict()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,12 @@ def add_command(subparsers, name: str, help_: str, epilog: str) -> argparse.Argu
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """--workload and --size, as every command that trains a built-in workload takes them."""
+    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
+    p.add_argument("--size", default="tiny", help="model size (default: tiny)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -104,36 +112,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def progress_printer(label: str):
-    """A context manager yielding `say(msg)`: a live status line on a terminal, plain time-stamped
-    lines on stderr otherwise (logs, CI, `make demo | tee`)."""
-    import contextlib
+@contextlib.contextmanager
+def progress_printer(label: str) -> Iterator[Callable[[str], None]]:
+    """Yields `say(msg)`: a live status line on a terminal, plain time-stamped lines on stderr
+    otherwise (logs, CI, `make demo | tee`)."""
     import time
 
     from rich.console import Console
 
     console = Console(stderr=True)
+    if console.is_terminal:
+        with console.status(label) as status:
 
-    @contextlib.contextmanager
-    def printer():
-        if console.is_terminal:
-            with console.status(label) as status:
+            def say(msg: str) -> None:
+                status.update(f"{label}: {msg}")
+                if msg.startswith(("round", "skipping")):
+                    console.print(f"  {msg}", highlight=False)
 
-                def say(msg: str) -> None:
-                    status.update(f"{label}: {msg}")
-                    if msg.startswith(("round", "skipping")):
-                        console.print(f"  {msg}", highlight=False)
+            yield say
+        return
+    t0 = time.perf_counter()
 
-                yield say
-            return
-        t0 = time.perf_counter()
+    def say_plain(msg: str) -> None:
+        print(f"[{label} {time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
-        def say(msg: str) -> None:
-            print(f"[{label} {time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
-
-        yield say
-
-    return printer()
+    yield say_plain
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -143,21 +146,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     demo = recipes == ["demo"]
-    unpaid: dict[str, str] = {}
     if demo:
         recipes = demo_recipes()
-        from .machine import dtype_verdict, probe
-        from .session import resolve_device
+    # The demo shows what pays here: a recipe forcing a cheaper dtype runs only where the probe
+    # measured it faster than fp32 by PAYS_RATIO; elsewhere only dtypes 4x+ slower are skipped.
+    from .bench.runner import SLOW_DTYPE_FACTOR
+    from .machine import PAYS_RATIO
 
-        # The demo shows what pays here: a recipe that forces a cheaper dtype runs only where the
-        # probe measured that dtype faster than fp32.
-        for name in list(recipes):
-            r = resolve_recipe(name)
-            if r.precision.dtype in ("bf16", "fp16"):
-                pays, why = dtype_verdict(probe(resolve_device(r.runtime.device)), r.precision.dtype)
-                if not pays:
-                    recipes.remove(name)
-                    unpaid[name] = why
+    min_dtype_speed = None if args.all_dtypes else PAYS_RATIO if demo else 1 / SLOW_DTYPE_FACTOR
     if args.set:  # the same overrides for every recipe (and so for the peers, via the reference)
         recipes = [r + "".join(f"+{a}" for a in args.set) for r in recipes]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
@@ -182,11 +178,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             parity_floor=args.parity_floor,
             noise_seeds=args.noise_seeds,
             match_steps=not args.no_match_steps,
-            all_dtypes=args.all_dtypes,
+            min_dtype_speed=min_dtype_speed,
             max_round_s=args.max_round_s,
             progress=say,
         )
-    result.skipped.update(unpaid)
     payload = result.to_dict()
     write_json(args.json, payload)
     print_table(payload)
@@ -407,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile(sub)
     add_tune(sub)
     add_serve(sub)
-    add_optimize(sub, add_command)
+    add_optimize(sub, add_command, add_workload_arguments)
     return parser
 
 

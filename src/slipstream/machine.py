@@ -16,6 +16,7 @@ No flag or ISA name predicts which, so every `auto` reads a measurement taken he
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import importlib.util
 import json
@@ -108,10 +109,6 @@ class MachineProbe:
             return max(table.values())
         return table.get(str(n))
 
-    def peak_flops(self, dtype: str) -> float | None:
-        """Best measured FLOP/s for this dtype (the MFU denominator)."""
-        return self.flops(dtype)
-
     def speed_vs_fp32(self, dtype: str) -> tuple[float | None, int | None]:
         """(ratio of this dtype's best matmul rate to fp32's best, the size of that best).
 
@@ -138,8 +135,10 @@ class MachineProbe:
 # ----------------------------------------------------------------------------- fingerprint & cache
 
 
+@functools.cache
 def _cpu_identity() -> tuple[str, str]:
-    """(model name, flags) from /proc/cpuinfo; platform's answer elsewhere."""
+    """(model name, flags) from /proc/cpuinfo; platform's answer elsewhere. Read once per process:
+    probe() fingerprints the machine on every call, and the CPU does not change under a process."""
     model, flags = "", ""
     try:
         with open("/proc/cpuinfo") as fh:
@@ -466,16 +465,13 @@ def bf16_pays(device: torch.device | str | None = None, p: MachineProbe | None =
     return dtype_verdict(p, "bf16")[0]
 
 
-def bf16_native(device: torch.device | str) -> bool:
-    """bf16 runs natively (not emulated): GPUs of capability >= 8.0; CPUs where oneDNN has bf16
-    kernels. Says nothing about speed: see bf16_pays."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False))
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+def too_slow(p: MachineProbe, dtype: str, min_speed: float) -> str | None:
+    """Why `dtype` is not worth running here — its best matmul rate is below `min_speed` x fp32's —
+    with the probe's figures (None: worth it). bench skips contenders and optimize candidates by it."""
+    ratio, _ = p.speed_vs_fp32(dtype)
+    if ratio is not None and ratio >= min_speed:
+        return None
+    return dtype_verdict(p, dtype)[1]
 
 
 def decide_precision(device: torch.device | str, p: MachineProbe | None = None) -> Decision:
@@ -531,7 +527,6 @@ __all__ = [
     "Check",
     "Decision",
     "MachineProbe",
-    "bf16_native",
     "bf16_pays",
     "cache_dir",
     "decide_precision",
@@ -540,4 +535,5 @@ __all__ = [
     "dtype_verdict",
     "fingerprint",
     "probe",
+    "too_slow",
 ]

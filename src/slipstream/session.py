@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -147,8 +148,6 @@ class Session:
         ("baseline+shapes.mode=bucket"); None is the default Recipe(). `decisions`: `auto`
         choices taken earlier (a resumed run's `state_dict()["decisions"]`), reused instead of
         measured again, so a resumed run keeps its dtype and data order."""
-        import os
-
         if isinstance(recipe, (str, os.PathLike)):
             from .presets import resolve_recipe
 

@@ -41,7 +41,7 @@ def _quiet_loggers(*names: str):
         with warnings.catch_warnings():
             for name in names:
                 warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")
-                warnings.filterwarnings("ignore", message=r".*(treespec|LeafSpec|litmodels).*")
+            warnings.filterwarnings("ignore", message=r".*(treespec|LeafSpec|litmodels).*")
             yield
     finally:
         for log, level in zip(loggers, levels):

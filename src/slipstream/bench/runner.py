@@ -237,10 +237,12 @@ class RecipeContender(LoopContender):
 
     def info(self) -> dict[str, Any]:
         m = self.session.metrics()
+        decisions = self.session.decisions
         return {
             "distinct_shapes": m.distinct_shapes,
             "recompiles": m.recompiles,
             "recipe": self.recipe.to_dict(),
+            **({"decisions_list": [{"field": k, **v} for k, v in decisions.items()]} if decisions else {}),
             **{k: v for k, v in m.extra.items() if isinstance(v, (int, float, str, bool))},
         }
 
@@ -300,8 +302,8 @@ def peak_flops_from_probe(device: torch.device) -> dict[str, float]:
     from ..machine import probe
 
     p = probe(device)
-    fp32 = p.peak_flops("fp32") or 1.0
-    return {d: p.peak_flops(d) or fp32 for d in ("fp32", "bf16", "fp16")}
+    fp32 = p.flops("fp32") or 1.0
+    return {d: p.flops(d) or fp32 for d in ("fp32", "bf16", "fp16")}
 
 
 def peak_memory_in_subprocess(spec: str, workload: str, size: str, steps: int = 2) -> tuple[int | None, str]:
@@ -335,27 +337,24 @@ def _failure(what: str, err: BaseException) -> str:
     return f"{what}: {type(err).__name__}: {first}"
 
 
-def dtype_skip_reason(recipe: Recipe) -> str | None:
-    """Why a recipe that asks for a cheaper dtype is not worth running here (None: run it).
+SLOW_DTYPE_FACTOR = 4.0
+"""By default a contender whose dtype's matmuls measured this many times slower than fp32 is skipped
+(with the probe's figures as the reason): on an AVX2 CPU bf16 is ~75x slower and would hold the
+whole benchmark for half an hour to prove what the probe measured in a second."""
 
-    Only an explicit bf16/fp16 is checked: `auto` already decides by the probe."""
-    from ..machine import dtype_verdict, probe
+
+def dtype_skip_reason(recipe: Recipe, min_dtype_speed: float) -> str | None:
+    """Why a recipe that forces a cheaper dtype is not run here (None: run it): the probe measured
+    that dtype's matmuls below `min_dtype_speed` x fp32's. `auto` is never skipped: it already
+    decides by the probe."""
+    from ..machine import probe, too_slow
     from ..session import resolve_device
 
     dtype = recipe.precision.dtype
     if dtype not in ("bf16", "fp16"):
         return None
-    p = probe(resolve_device(recipe.runtime.device))
-    ratio, _ = p.speed_vs_fp32(dtype)
-    if ratio is not None and ratio >= 1.0 / SLOW_DTYPE_FACTOR:
-        return None
-    return f"{dtype_verdict(p, dtype)[1]}; pass --all-dtypes to run it anyway"
-
-
-SLOW_DTYPE_FACTOR = 4.0
-"""A contender whose dtype's matmuls measured this many times slower than fp32 is skipped (with the
-probe's figures as the reason) unless asked for: on an AVX2 CPU bf16 is ~75x slower and would hold
-the whole benchmark for half an hour to prove what the probe measured in a second."""
+    why = too_slow(probe(resolve_device(recipe.runtime.device)), dtype, min_dtype_speed)
+    return None if why is None else f"{why}; pass --all-dtypes to run it anyway"
 
 
 def run_bench(
@@ -372,7 +371,7 @@ def run_bench(
     parity_floor: float = 0.002,
     noise_seeds: int = 2,
     match_steps: bool = True,
-    all_dtypes: bool = False,
+    min_dtype_speed: float | None = 1 / SLOW_DTYPE_FACTOR,
     max_round_s: float | None = None,
     real_tokens_per_step_target: float | None = None,
     custom: dict[str, Callable[..., Contender]] | None = None,
@@ -384,7 +383,9 @@ def run_bench(
     With `match_steps` every contender's batches carry the reference's real tokens per optimizer
     step (its token budget per batch is rescaled), so equal real-token budgets mean equal steps and
     the validation losses compare the same training. Parity is judged against the spread of
-    `noise_seeds` extra runs of the reference with other seeds (see `noise_band`).
+    `noise_seeds` extra runs of the reference with other seeds (see `noise_band`). A recipe that
+    forces a dtype the probe measured below `min_dtype_speed` x fp32 is skipped with the figures
+    (None runs every dtype).
     `real_tokens_per_step_target` sets the matched figure instead of taking the first contender's
     (optimize does, so that every stage trains like its original reference). `custom` maps a name
     in `recipes`, written `label@recipe-spec` (the recipe it starts from), to a factory `(spec, workload, size, data, val_batches, reference, target)` for
@@ -417,7 +418,9 @@ def run_bench(
     skipped: dict[str, str] = {}
     target: float | None = real_tokens_per_step_target if match_steps else None
     for spec, recipe in zip(recipes, specs):
-        why = None if all_dtypes or spec == recipes[0] else dtype_skip_reason(recipe)
+        why = None
+        if min_dtype_speed is not None and spec != recipes[0]:
+            why = dtype_skip_reason(recipe, min_dtype_speed)
         if why:
             say(f"skipping {spec}: {why}")
             skipped[spec] = why
@@ -538,9 +541,6 @@ def run_bench(
                 f"{c.name}: rounds cut at {max_round_s:.0f} s before the token budget; parity not judged"
             )
         info = c.info()
-        decisions = getattr(getattr(c, "session", None), "decisions", {})
-        if decisions:
-            info["decisions_list"] = [{"field": k, **v} for k, v in decisions.items()]
         n_params = getattr(c, "model", None)
         params = sum(p.numel() for p in n_params.parameters()) if n_params is not None else 0
         mfu = med * 6 * params / peak.get(c.precision, peak["fp32"])

@@ -56,7 +56,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers: Any, add_command) -> None:
+def add_parser(subparsers: Any, add_command, add_workload_arguments) -> None:
     from .search import DEFAULT_STAGES, STAGES
 
     p = add_command(
@@ -65,8 +65,7 @@ def add_parser(subparsers: Any, add_command) -> None:
         "find the fastest recipe for a workload on this machine by measurement, kept only at loss parity",
         EXAMPLES,
     )
-    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
-    p.add_argument("--size", default="tiny", help="model size (default: tiny)")
+    add_workload_arguments(p)
     p.add_argument(
         "--base", default="baseline", help="starting recipe and parity reference (default: baseline)"
     )

@@ -130,26 +130,18 @@ def _merge(current: list[str], new: tuple[str, ...]) -> list[str]:
     return [o for o in current if o.split("=", 1)[0] not in keys] + list(new)
 
 
-def _stage_options(stage: Stage, best: Recipe, device, say) -> tuple[list[tuple[str, ...]], list[str]]:
+def _stage_options(stage: Stage, best: Recipe, device) -> tuple[list[tuple[str, ...]], list[str]]:
     """The options worth measuring now, and notes on those left out (with the reason)."""
-    from ..machine import dtype_verdict
-
     notes, keep = [], []
     for opt in stage.options:
-        field_, value = opt[0].split("=", 1)
+        value = opt[0].split("=", 1)[1]
         if stage.name == "buckets" and best.shapes.mode != "bucket":
             notes.append(f"{opt[0]}: not tried (shapes.mode is {best.shapes.mode})")
             continue
         if stage.name == "precision":
-            if value == "fp16" and device.type == "cpu":
-                from ..precision import cpu_supports_fp16
-
-                if not cpu_supports_fp16():
-                    notes.append(f"{opt[0]}: not tried (this CPU has no fp16 matmuls)")
-                    continue
-            ratio, _ = machine.probe(device).speed_vs_fp32(value)
-            if ratio is None or ratio < TRY_DTYPE_RATIO:
-                notes.append(f"{opt[0]}: not tried ({dtype_verdict(machine.probe(device), value)[1]})")
+            why = machine.too_slow(machine.probe(device), value, TRY_DTYPE_RATIO)
+            if why:
+                notes.append(f"{opt[0]}: not tried ({why})")
                 continue
         if stage.name == "compile":
             check = machine.probe(device, checks=("compile",)).checks["compile"]
@@ -224,7 +216,7 @@ def optimize(
     device = resolve_device(reference.runtime.device)
     t0 = time.perf_counter()
     common = dict(
-        size=size, rounds=rounds, round_tokens=round_tokens, memory="skip", all_dtypes=True, progress=say
+        size=size, rounds=rounds, round_tokens=round_tokens, memory="skip", min_dtype_speed=None, progress=say
     )
 
     say(f"stage reference: {base} and {noise_seeds} re-runs with other seeds (the parity band)")
@@ -243,7 +235,7 @@ def optimize(
     for name in stages:
         stage = STAGES[name]
         best_recipe = resolve_recipe(_spec(base, best))
-        options, notes = _stage_options(stage, best_recipe, device, say)
+        options, notes = _stage_options(stage, best_recipe, device)
         for note in notes:
             opt = note.split(":", 1)[0]
             candidates.append(Candidate(name, _spec(base, _merge(best, (opt,))), [opt], verdict=note))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..cli import add_command
+from ..cli import add_command, add_workload_arguments
 from ..presets import resolve_recipe
 from ..recipe import RecipeError, write_json
 
@@ -195,8 +195,7 @@ def add_parser(subparsers: Any) -> None:
         "search recipe fields (learning rate, warm-up, ...) with Optuna: Fibonacci, evolutionary, Bayesian or random",
         TUNE_EXAMPLES,
     )
-    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
-    p.add_argument("--size", default="tiny", help="model size (default: tiny)")
+    add_workload_arguments(p)
     p.add_argument(
         "--recipe", default="baseline", help="base recipe: preset, file, or preset+section.field=value"
     )
@@ -271,8 +270,7 @@ def add_parser(subparsers: Any) -> None:
         "learning-rate range test: exponential sweep, smoothed loss, a suggested learning rate",
         LR_FIND_EXAMPLES,
     )
-    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
-    p.add_argument("--size", default="tiny", help="model size (default: tiny)")
+    add_workload_arguments(p)
     p.add_argument("--recipe", default="baseline", help="preset, file, or preset+section.field=value")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override one recipe field")
     p.add_argument("--start-lr", type=float, default=1e-6, help="first learning rate (default: 1e-6)")
