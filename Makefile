@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 # CPU build by default (it lies on the dev machines' disk); CUDA users: make TORCH="torch==2.13.0 --index-url ..."
 TORCH ?= torch==2.13.0
-EXTRAS ?= dev,report,kernels,tune,serve,quant,peers
+EXTRAS ?= dev,report,kernels,tune,serve,quant,peers,hf
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH) $(EXTRAS)' | md5sum | cut -c1-8)
 

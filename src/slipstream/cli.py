@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from .presets import resolve_recipe
-from .recipe import write_json
+from .recipe import RecipeError, write_json
 
 EXAMPLES = {
     "train": """examples:
   slipstream train --workload gpt-stdlib --size tiny --recipe baseline --steps 50 --json out.json
   slipstream train --recipe baseline --set precision.dtype=bf16 --set shapes.max_len=512 --steps 200
   slipstream train --steps 400 --checkpoint-dir runs/a --checkpoint-every 50     # then add --resume
+  slipstream train --model mymodels:build --data corpus.jsonl --tokenizer tok/ --export out/
 """,
     "bench": """examples:
   slipstream bench --workload gpt-stdlib --size small --recipes baseline,bf16,bucket,pack,full \\
@@ -32,6 +33,7 @@ EXAMPLES = {
     "data": """examples:
   slipstream data --workload gpt-stdlib --max-len 1024
   slipstream data --max-len 512 --json corpus.json
+  slipstream data --data notes.txt --tokenizer tok/     # your text, your tokenizer
 """,
     "recipe": """examples:
   slipstream recipe baseline                  # print a preset as TOML
@@ -53,9 +55,56 @@ def add_command(subparsers, name: str, help_: str, epilog: str) -> argparse.Argu
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """--workload and --size, as every command that trains a built-in workload takes them."""
-    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
-    p.add_argument("--size", default="tiny", help="model size (default: tiny)")
+    """--workload/--size, or the user's own --model/--data/--tokenizer: every command that trains
+    takes the same flags; resolve_workload() turns them into one workload name."""
+    g = p.add_argument_group("workload (default: the built-in gpt-stdlib; see docs/own-model.md)")
+    g.add_argument("--workload", help="registered workload (default: gpt-stdlib)")
+    g.add_argument(
+        "--size", help="built-in GPT size: tiny, small, gpt2-124m (default: tiny; `custom` with --model)"
+    )
+    g.add_argument("--model", metavar="MODULE:FACTORY", help="your model: FACTORY() returns an nn.Module")
+    g.add_argument("--data", metavar="PATH", help="your text: .txt, .jsonl, a folder, or a datasets folder")
+    g.add_argument(
+        "--tokenizer", metavar="PATH", help="a local Hugging Face tokenizer folder (default: bytes)"
+    )
+    g.add_argument(
+        "--text-field", default="text", help="JSONL field / dataset column of the text (default: text)"
+    )
+
+
+def resolve_workload(args: argparse.Namespace) -> None:
+    """Set args.workload and args.size from the workload flags (a `user:...` name when any of
+    --model/--data/--tokenizer is given, so subprocesses get the same workload by name)."""
+    if not hasattr(args, "text_field"):
+        return  # a command without workload flags
+    own = any(getattr(args, k) for k in ("model", "data", "tokenizer"))
+    if own and args.workload:
+        raise RecipeError(
+            "--workload names a built-in workload; drop it when passing --model/--data/--tokenizer"
+        )
+    if own:
+        from .workloads.user import CUSTOM_SIZE, user_workload_name
+
+        args.workload = user_workload_name(args.model, args.data, args.tokenizer, args.text_field)
+        if args.model and args.size not in (None, CUSTOM_SIZE):
+            raise RecipeError(f"--size {args.size} sizes the built-in GPT; your --model decides its own size")
+        args.size = CUSTOM_SIZE if args.model else args.size or "tiny"
+    else:
+        args.workload = args.workload or "gpt-stdlib"
+        args.size = args.size or ("custom" if "model=" in args.workload else "tiny")
+
+
+def workload_flags(workload: str, size: str) -> str:
+    """The command-line flags that select `workload` (for printed commands a user can paste)."""
+    import shlex
+
+    if not workload.startswith("user:"):
+        return f"--workload {workload} --size {size}"
+    from .workloads.user import parse_user_name
+
+    spec = parse_user_name(workload)
+    flags = [f"--{k.replace('_', '-')} {shlex.quote(v)}" for k, v in spec._items()]
+    return " ".join(flags + ([] if spec.model else [f"--size {size}"]))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -76,6 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         progress=not args.no_progress,
+        export_dir=args.export,
     )
     payload = result.to_dict()
     write_json(args.json, payload)
@@ -107,6 +157,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
+    if args.export:
+        print(f"exported the model to {args.export}")
     if args.json:
         print(f"wrote {args.json}")
     return 0
@@ -290,9 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help_: str) -> argparse.ArgumentParser:
         return add_command(sub, name, help_, EXAMPLES[name])
 
-    p = add("train", "train a built-in workload under a recipe and report its metrics")
-    p.add_argument("--workload", default="gpt-stdlib", help="registered workload (default: gpt-stdlib)")
-    p.add_argument("--size", default="tiny", help="model size: tiny, small, gpt2-124m (default: tiny)")
+    p = add("train", "train a built-in workload, or your own model and data, under a recipe")
+    add_workload_arguments(p)
     p.add_argument(
         "--recipe", default="baseline", help="preset, .toml/.json file, or preset+section.field=value"
     )
@@ -311,11 +362,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's checkpoint")
     p.add_argument("--json", help="write results (per-step loss, metrics) to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--export",
+        metavar="DIR",
+        help="after training, write the model (+ tokenizer) here (docs/own-model.md)",
+    )
     p.set_defaults(fn=cmd_train)
 
     p = add("bench", "benchmark recipes and peers side by side (interleaved rounds) with a report")
-    p.add_argument("--workload", default="gpt-stdlib")
-    p.add_argument("--size", default="tiny", help="model size (default: tiny; small for the demo)")
+    add_workload_arguments(p)
     p.add_argument(
         "--recipes", default="baseline", help="comma-separated specs, or `demo`; the first is the reference"
     )
@@ -377,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_doctor)
 
     p = add("data", "length histogram of a workload's corpus and the padding waste of each shape policy")
-    p.add_argument("--workload", default="gpt-stdlib")
+    add_workload_arguments(p)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--tokens-per-batch", type=int, default=8192)
     p.add_argument("--json", help="write the statistics to this file")
@@ -408,11 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
-    from .recipe import RecipeError
     from .workloads.corpus import CorpusError
 
     args = build_parser().parse_args(argv)
     try:
+        resolve_workload(args)
         return args.fn(args)
     except (RecipeError, CheckpointError, CorpusError, FloatingPointError) as err:
         print(f"slipstream {args.command}: error: {err}", file=sys.stderr)

@@ -50,8 +50,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     write_json(args.json, payload)
     print(markdown(payload))
     print(f"recipe: {paths['recipe']}  report: {paths['html']} (and .md, .json)")
+    from ..cli import workload_flags
+
     print(
-        f"train with it: slipstream train --workload {args.workload} --size {args.size} --recipe {paths['recipe']}"
+        f"train with it: slipstream train {workload_flags(args.workload, args.size)} --recipe {paths['recipe']}"
     )
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_command
+from ..cli import add_command, add_workload_arguments, resolve_workload
 
 DESCRIPTION = (
     "profile a few training steps (the built-in loop, or your script after `--`) and report where the "
@@ -14,6 +14,7 @@ DESCRIPTION = (
 EPILOG = """examples:
   slipstream profile --workload gpt-stdlib --recipe baseline --json p.json --trace t.json
   slipstream profile --recipe baseline+precision.dtype=bf16 --size small --light
+  slipstream profile --model mymodels:build --data corpus.jsonl --tokenizer tok/
   slipstream profile --json p.json -- python train.py --epochs 1
   slipstream profile --wait 1 --active 5 -- python -m mypkg.train
 
@@ -23,10 +24,7 @@ calls it). Open the trace in https://ui.perfetto.dev. The JSON schema is in docs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--workload", default="gpt-stdlib", help="built-in workload to profile (default: gpt-stdlib)"
-    )
-    p.add_argument("--size", default="tiny", help="model size of the workload (default: tiny)")
+    add_workload_arguments(p)
     p.add_argument(
         "--recipe", default="baseline", help="preset, .toml/.json file, or preset+section.field=value"
     )
@@ -109,11 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from ..recipe import RecipeError
+    from ..workloads.corpus import CorpusError
 
     args = build_parser().parse_args(argv)
     try:
+        resolve_workload(args)
         return handler(args)
-    except RecipeError as err:
+    except (RecipeError, CorpusError) as err:
         print(f"slipstream profile: error: {err}", file=sys.stderr)
         return 2
 

@@ -65,7 +65,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             args.workload, args.size, recipe, space, args.steps, args.eval_every, args.eval_batches
         )
         what = f"{args.workload} ({args.size}) validation loss after {args.steps} steps"
-        default_name = f"tune-{args.workload}-{args.size}"
+        from ..workloads import workload_slug
+
+        default_name = f"tune-{workload_slug(args.workload)}-{args.size}"
         if not args.no_base:
             enqueue = base_params(recipe, space)
     study_name = args.study or default_name

@@ -1,5 +1,5 @@
 """Built-in workloads: a real corpus and models to train on it, registered by name."""
 
-from .registry import WORKLOADS, Workload, WorkloadData, get_workload, register_workload
+from .registry import WORKLOADS, Workload, WorkloadData, get_workload, register_workload, workload_slug
 
-__all__ = ["WORKLOADS", "Workload", "WorkloadData", "get_workload", "register_workload"]
+__all__ = ["WORKLOADS", "Workload", "WorkloadData", "get_workload", "register_workload", "workload_slug"]

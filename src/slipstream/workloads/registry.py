@@ -55,10 +55,33 @@ def register_workload(workload: Workload) -> Workload:
     return workload
 
 
+_USER_WORKLOADS: dict[str, Workload] = {}
+
+
 def get_workload(name: str) -> Workload:
+    """A registered workload, or the user's own built from its self-describing `user:...` name
+    (so a name handed to a subprocess rebuilds the same model and data there)."""
+    if name.startswith("user:"):
+        if name not in _USER_WORKLOADS:
+            from .user import user_workload
+
+            _USER_WORKLOADS[name] = user_workload(name)
+        return _USER_WORKLOADS[name]
     if name not in WORKLOADS:
-        raise RecipeError(f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))}")
+        raise RecipeError(
+            f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))} "
+            "(or your own: --model module:factory --data PATH, see docs/own-model.md)"
+        )
     return WORKLOADS[name]
+
+
+def workload_slug(name: str) -> str:
+    """The name where it must be a file name (a user workload's name holds paths)."""
+    if name.startswith("user:"):
+        from .user import parse_user_name
+
+        return parse_user_name(name).slug
+    return name
 
 
 def _gpt_stdlib_data() -> WorkloadData:
