@@ -62,11 +62,12 @@ def export_model(
             save_model(model, str(tmp / "model.safetensors"))  # drops tied duplicates, unlike save_file
             meta["kind"] = "state_dict"
             meta["factory"] = factory
-            cfg = getattr(model, "cfg", None)
-            if hasattr(cfg, "__dataclass_fields__"):  # the built-in GPT: its config rebuilds it
+            from .workloads.gpt import GPT
+
+            if isinstance(model, GPT):  # the built-in GPT: its config rebuilds it
                 from dataclasses import asdict
 
-                meta["config"] = asdict(cfg)
+                meta["config"] = asdict(model.config)
         _save_tokenizer(tokenizer, tmp)
         (tmp / MARKER).write_text(json.dumps(meta, indent=2))
         if out.exists():

@@ -35,7 +35,7 @@ from . import corpus
 from .corpus import CorpusError, TokenCorpus
 
 USER_FORMAT = 1
-_PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+_PARAGRAPH = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more blank (or whitespace-only) lines
 _HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 
 
@@ -79,7 +79,8 @@ def read_documents(path: Path, text_field: str = "text") -> Documents:
         files = data_files(path)
         docs = Documents([t for f in files if (t := _read_text(f)).strip()], None, kind)
     else:
-        docs = Documents([p for p in _PARAGRAPH.split(_read_text(path)) if p.strip()], None, kind)
+        paras = _PARAGRAPH.split(_read_text(path))
+        docs = Documents([p.strip("\n") for p in paras if p.strip()], None, kind)
     if not docs.train:
         raise CorpusError(f"--data {path}: no documents found (empty?); give it some text")
     return docs
@@ -173,16 +174,18 @@ class HFTokenizer:
         self.path = path
         self.hf, self.raw = _load_hf_tokenizer(path)
         if self.hf is not None:
-            self.bos_id = self.hf.bos_token_id
-            self.eos_id = self.hf.eos_token_id
-            pad = self.hf.pad_token_id
+            self.bos_id, self.eos_id, pad = self.hf.bos_token_id, self.hf.eos_token_id, self.hf.pad_token_id
             self.id_limit = len(self.hf)
+            vocab = self.hf.get_vocab()
         else:
-            specials = self.raw.get_vocab(with_added_tokens=True)
-            self.bos_id = _first_id(specials, ("<s>", "<bos>", "<|begin_of_text|>", "[BOS]"))
-            self.eos_id = _first_id(specials, ("</s>", "<eos>", "<|endoftext|>", "<|end_of_text|>", "[EOS]"))
-            pad = _first_id(specials, ("<pad>", "[PAD]", "<|pad|>"))
+            self.bos_id = self.eos_id = pad = None
             self.id_limit = self.raw.get_vocab_size(with_added_tokens=True)
+            vocab = self.raw.get_vocab(with_added_tokens=True)
+        if self.bos_id is None and self.eos_id is None:
+            # A bare tokenizer.json declares no roles: take the conventional names of its specials.
+            self.bos_id = _first_id(vocab, ("<s>", "<bos>", "<|begin_of_text|>", "[BOS]"))
+            self.eos_id = _first_id(vocab, ("</s>", "<eos>", "<|endoftext|>", "<|end_of_text|>", "[EOS]"))
+            pad = pad if pad is not None else _first_id(vocab, ("<pad>", "[PAD]", "<|pad|>"))
         self.pad_id = pad if pad is not None else self.eos_id if self.eos_id is not None else 0
         self.vocab_size = self.id_limit
         self.fingerprint = _files_fingerprint(path)
