@@ -266,3 +266,7 @@ class LightningPeer(_PeerBase):
 
 
 PEERS: dict[str, type[_PeerBase]] = {"diy": DIYPeer, "accelerate": AcceleratePeer, "lightning": LightningPeer}
+
+# The Hugging Face Trainer peers build on _PeerBase above and add themselves to PEERS
+# (transformers is imported only when one is built).
+from . import hf_peers  # noqa: E402, F401
