@@ -26,6 +26,10 @@ itself), counted on the host as each batch is collated; padded tokens are paddin
 models number positions by tokens. Precision is the machine probe's verdict (bf16 only where it
 pays), optimizer settings and seed are the reference recipe's (constant LR after a linear warm-up:
 the bench reference's schedule), the optimizer is the Trainer's default.
+
+group_by_length sorts each megabatch (up to 50 batches) longest first, so a short run sees long
+batches: more real tokens per step than the matched average. That is the Trainer's behaviour, kept;
+rounds of ~50 steps or more average it out.
 """
 
 from __future__ import annotations
