@@ -261,7 +261,7 @@ def test_a_folder_that_is_not_a_tokenizer_fails_in_one_line(tmp_path, capsys):
 
 def test_conflicting_workload_flags_fail_in_one_line(tmp_path, capsys):
     write_text(tmp_path / "n.txt")
-    assert "drop it" in run_cli(capsys, "data", "--workload", "gpt-stdlib", "--data", "n.txt")
+    assert "drop it" in run_cli(capsys, "data", "--workload", "vision-synthetic", "--data", "n.txt")
     assert "your --model decides" in run_cli(capsys, "train", "--model", "m:b", "--size", "small")
     assert "module:factory" in run_cli(capsys, "train", "--model", "just_a_module")
     assert "--tokenizer needs --data" in run_cli(capsys, "data", "--tokenizer", str(tmp_path))

@@ -58,9 +58,11 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """--workload/--size, or the user's own --model/--data/--tokenizer: every command that trains
     takes the same flags; resolve_workload() turns them into one workload name."""
     g = p.add_argument_group("workload (default: the built-in gpt-stdlib; see docs/own-model.md)")
-    g.add_argument("--workload", help="registered workload (default: gpt-stdlib)")
+    g.add_argument("--workload", default=DEFAULT_WORKLOAD, help="registered workload (default: gpt-stdlib)")
     g.add_argument(
-        "--size", help="built-in GPT size: tiny, small, gpt2-124m (default: tiny; `custom` with --model)"
+        "--size",
+        default=DEFAULT_SIZE,
+        help="built-in GPT size: tiny, small, gpt2-124m (default: tiny; `custom` with --model)",
     )
     g.add_argument("--model", metavar="MODULE:FACTORY", help="your model: FACTORY() returns an nn.Module")
     g.add_argument("--data", metavar="PATH", help="your text: .txt, .jsonl, a folder, or a datasets folder")
@@ -72,26 +74,28 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+DEFAULT_WORKLOAD, DEFAULT_SIZE = "gpt-stdlib", "tiny"
+
+
 def resolve_workload(args: argparse.Namespace) -> None:
     """Set args.workload and args.size from the workload flags (a `user:...` name when any of
-    --model/--data/--tokenizer is given, so subprocesses get the same workload by name)."""
+    --model/--data/--tokenizer is given, so subprocesses get the same workload by name). The
+    defaults are real values, so a handler reached without this call still runs gpt-stdlib."""
     if not hasattr(args, "text_field"):
         return  # a command without workload flags
-    own = any(getattr(args, k) for k in ("model", "data", "tokenizer"))
-    if own and args.workload:
-        raise RecipeError(
-            "--workload names a built-in workload; drop it when passing --model/--data/--tokenizer"
-        )
-    if own:
-        from .workloads.user import CUSTOM_SIZE, user_workload_name
+    from .workloads.user import CUSTOM_SIZE, PREFIX, user_workload_name
 
-        args.workload = user_workload_name(args.model, args.data, args.tokenizer, args.text_field)
-        if args.model and args.size not in (None, CUSTOM_SIZE):
+    if any(getattr(args, k) for k in ("model", "data", "tokenizer")):
+        if args.workload != DEFAULT_WORKLOAD:
+            raise RecipeError(
+                "--workload names a built-in workload; drop it when passing --model/--data/--tokenizer"
+            )
+        if args.model and args.size not in (DEFAULT_SIZE, CUSTOM_SIZE):
             raise RecipeError(f"--size {args.size} sizes the built-in GPT; your --model decides its own size")
-        args.size = CUSTOM_SIZE if args.model else args.size or "tiny"
-    else:
-        args.workload = args.workload or "gpt-stdlib"
-        args.size = args.size or ("custom" if "model=" in args.workload else "tiny")
+        args.workload = user_workload_name(args.model, args.data, args.tokenizer, args.text_field)
+        args.size = CUSTOM_SIZE if args.model else args.size
+    elif args.workload.startswith(PREFIX) and "model=" in args.workload and args.size == DEFAULT_SIZE:
+        args.size = CUSTOM_SIZE  # a pasted user:model=... name: its model has the one size
 
 
 def workload_flags(workload: str, size: str) -> str:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..cli import add_command, add_workload_arguments
+from ..cli import add_command, add_workload_arguments, resolve_workload
 from ..presets import resolve_recipe
 from ..recipe import RecipeError, write_json
 
@@ -286,10 +286,13 @@ def add_parser(subparsers: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slipstream", description="slipstream tuning commands")
     add_parser(parser.add_subparsers(dest="command", required=True))
+    from ..workloads.corpus import CorpusError
+
     args = parser.parse_args(argv)
     try:
+        resolve_workload(args)
         return args.fn(args)
-    except RecipeError as err:
+    except (RecipeError, CorpusError) as err:
         print(f"slipstream {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
