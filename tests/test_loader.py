@@ -116,7 +116,7 @@ def test_session_loop_counts_real_tokens():
 def test_pack_refused_for_a_model_without_document_ids():
     session = Session(Recipe(shapes=ShapesConfig(mode="pack", max_len=32, tokens_per_batch=64)))
     session.prepare_model(torch.nn.Linear(2, 2))
-    with pytest.raises(RecipeError, match="shapes.mode=pack needs a model whose forward takes document_ids"):
+    with pytest.raises(RecipeError, match="shapes.mode=pack refused: Linear.forward takes no document_ids"):
         session.prepare_loader(seqs([5, 9]))
 
 

@@ -19,7 +19,6 @@ part of the recipe.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -34,6 +33,7 @@ from .compile import apply_activation_checkpointing, apply_compile, apply_cudagr
 from .dataflow import PrefetchLoader, SampleLoader
 from .machine import Decision
 from .metrics import MetricsSummary, MetricsTracker
+from .models.convention import SHIFTED, BatchConvention, detect_convention, is_hf_model, loss_of
 from .precision import LossScaler, resolve_precision, resolve_precision_decision
 from .recipe import KernelsConfig, OptimizerConfig, Recipe, RecipeError
 from .shapes.loader import ShapedLoader
@@ -67,12 +67,23 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) -> dict[str, object]:
     """Swap fused kernels into this model instance; returns what was swapped."""
-    if cfg.ops == "off":
-        return {}
-    from . import kernels  # lazy: Triton is optional
+    if is_hf_model(model):
+        from .models.hf import apply_hf_kernels, prepare_forward
 
-    report = kernels.apply_kernels(model, cfg.ops, device)
-    return {"kernels_swapped": dict(report.swapped), "kernels_backend": report.backend}
+        prepare_forward(model)  # no KV cache while training, whatever the kernels
+        if cfg.ops == "off":
+            return {}
+        report = apply_hf_kernels(model, cfg.ops, device)
+    else:
+        if cfg.ops == "off":
+            return {}
+        from . import kernels  # lazy: Triton is optional
+
+        report = kernels.apply_kernels(model, cfg.ops, device)
+    out: dict[str, object] = {"kernels_swapped": dict(report.swapped), "kernels_backend": report.backend}
+    if report.skipped:
+        out["kernels_skipped"] = dict(report.skipped)
+    return out
 
 
 def _kernels_decision(swapped: dict[str, object], device: torch.device) -> Decision:
@@ -121,15 +132,6 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **impl)
 
 
-def _accepts_document_ids(model: nn.Module) -> bool:
-    model = getattr(model, "_orig_mod", model)
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "document_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 class _Params(nn.Module):
     """Parameters without a model: what build_optimizer needs to build an optimizer over copies."""
 
@@ -142,12 +144,18 @@ class _Params(nn.Module):
 
 class Session:
     def __init__(
-        self, recipe: Recipe | str | None = None, *, decisions: dict[str, dict[str, str]] | None = None
+        self,
+        recipe: Recipe | str | None = None,
+        *,
+        decisions: dict[str, dict[str, str]] | None = None,
+        convention: str | None = None,
     ):
         """`recipe`: a Recipe, a preset name ("bf16"), a recipe file ("my.toml") or a spec
         ("baseline+shapes.mode=bucket"); None is the default Recipe(). `decisions`: `auto`
         choices taken earlier (a resumed run's `state_dict()["decisions"]`), reused instead of
-        measured again, so a resumed run keeps its dtype and data order."""
+        measured again, so a resumed run keeps its dtype and data order. `convention`: the
+        model's batch convention when it cannot be detected ("shifted" or "unshifted"; see
+        slipstream.models); by default it is learned from the model in prepare_model."""
         if isinstance(recipe, (str, os.PathLike)):
             from .presets import resolve_recipe
 
@@ -187,6 +195,10 @@ class Session:
         """True when the last `step` was skipped because of inf/nan gradients (fp16 only)."""
         self.schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] = {}
         self.model: nn.Module | None = None
+        self.declared_convention = convention
+        self.convention: BatchConvention = SHIFTED
+        """The prepared model's batch convention: what prepare_loader's batches look like."""
+        self._packing_problem: str | None | bool = False  # False: not checked yet
         self.step_count = 0
 
     # -- preparation ----------------------------------------------------------------------------
@@ -196,6 +208,10 @@ class Session:
         torch.compile, CUDA graphs per shape. The returned model's `_orig_mod` (when it has one)
         holds the same parameters under the same state_dict keys."""
         cfg = self.recipe.compile
+        self.convention, why = detect_convention(model, self.declared_convention)
+        self.tracker.extra["batch_convention"] = self.convention.name
+        self.record(Decision("model.convention", self.convention.name, why))
+        self._packing_problem = False
         model = model.to(self.device)
         swapped = apply_kernels(model, self.recipe.kernels, self.device)
         self.tracker.extra.update(swapped)
@@ -257,7 +273,7 @@ class Session:
         if max_len is not None:
             cfg = replace(cfg, max_len=max_len)
         if cfg.mode == "pack":
-            self._check_packing()
+            self._check_packing(sequences)
         elif cfg.mode == "auto":
             if "shapes.mode" not in self.decisions:  # decided once per session, then reused
                 decision = self._decide_shape_mode(sequences, cfg, pad_id=pad_id, lengths=lengths)
@@ -276,6 +292,7 @@ class Session:
             world_size=world_size,
             lengths=lengths,
             on_batch=None if flow.prefetch else self.tracker.on_batch,
+            convention=self.convention,
         )
         self.tracker.extra["shape_policy"] = loader.policy.name
         self.tracker.extra["overflowed_sequences"] = loader.overflow.overflowed
@@ -346,12 +363,23 @@ class Session:
             "optimizer.impl", choice, f"one optimizer step timed on copies of the parameters: {figures}"
         )
 
-    def _check_packing(self) -> None:
-        if self.model is not None and not _accepts_document_ids(self.model):
-            raise RecipeError(
-                f"shapes.mode=pack needs a model whose forward takes document_ids, and "
-                f"{type(self.model).__name__}.forward does not; use shapes.mode=bucket (or auto)"
-            )
+    def packing_problem(self, sequences: Sequence = ()) -> str | None:
+        """Why packed rows would train this model on another function (None: checked, they don't).
+
+        Measured once per prepared model: each of a few documents of `sequences` gives the same
+        loss packed with the others as alone (slipstream.models.verify)."""
+        if self.model is None:
+            return None
+        if self._packing_problem is False:
+            from .models.verify import packing_problem
+
+            self._packing_problem = packing_problem(self.model, self.convention, self.device, sequences)
+        return self._packing_problem  # type: ignore[return-value]
+
+    def _check_packing(self, sequences: Sequence) -> None:
+        problem = self.packing_problem(sequences)
+        if problem:
+            raise RecipeError(f"shapes.mode=pack refused: {problem}; use shapes.mode=bucket (or auto)")
 
     def _decide_shape_mode(self, sequences: Sequence, cfg, *, pad_id: int, lengths) -> Decision:
         """shapes.mode=auto: pack or bucket, by timing both on this model (see slipstream.trial)."""
@@ -361,10 +389,9 @@ class Session:
 
         if self.model is None:
             return Decision("shapes.mode", "pack", "model not prepared before the loader: not measured")
-        if not _accepts_document_ids(self.model):
-            return Decision(
-                "shapes.mode", "bucket", f"{type(self.model).__name__}.forward takes no document_ids"
-            )
+        problem = self.packing_problem(sequences)
+        if problem:
+            return Decision("shapes.mode", "bucket", f"packing refused: {problem}")
         model = getattr(self.model, "_orig_mod", self.model)  # eager: a trial must not compile
         loaders = {
             mode: ShapedLoader(
@@ -374,6 +401,7 @@ class Session:
                 device=self.device,
                 pad_id=pad_id,
                 lengths=lengths,
+                convention=self.convention,
             )  # fmt: skip
             for mode in ("bucket", "pack")
         }
@@ -403,7 +431,9 @@ class Session:
         ):
             yield
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor | object) -> None:
+        """Backward of the loss (a tensor, or a model output whose `.loss` it is)."""
+        loss = loss_of(loss)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
         else:

@@ -24,6 +24,7 @@ from .checkpoint import (
 )
 from .checkpoint import set_rng_state as restore_rng_state
 from .metrics import MetricsSummary
+from .models import loss_of
 from .presets import resolve_recipe
 from .recipe import Recipe, RecipeError
 from .session import Session
@@ -65,7 +66,7 @@ def evaluate(model: nn.Module, loader: ShapedLoader, session: Session, batches: 
     for plan in loader.plans(epoch=0)[:batches]:
         batch = loader.make_batch(plan)
         with session.autocast():
-            loss = model(**batch)
+            loss = loss_of(model(**batch))
         total += loss.double() * batch.real_tokens  # mean loss x real tokens = exact token-weighted sum
         tokens += batch.real_tokens
     model.train(was_training)
@@ -142,6 +143,7 @@ def train(
     progress: bool = True,
     log_every: int = 10,
     on_eval: Callable[[int, float], None] | None = None,
+    export_dir: str | Path | None = None,
 ) -> TrainResult:
     """Train a registered workload for `steps` optimizer steps under `recipe`.
 
@@ -149,6 +151,7 @@ def train(
     and on Ctrl-C); `resume=True` continues from it with identical data order, RNG and optimizer
     state, so the per-step losses match an uninterrupted run. `on_eval(step, val_loss)` is called
     after each validation (the tuner prunes trials from it; raising there stops the run).
+    `export_dir`: write the trained model there at the end (slipstream.export.export_model).
     """
     if steps < 1:
         raise RecipeError(f"steps={steps} must be at least 1")
@@ -185,6 +188,7 @@ def train(
             device=session.device,
             pad_id=data.pad_id,
             lengths=data.validation_lengths,
+            convention=session.convention,
         )
 
     losses: list[float] = []
@@ -234,7 +238,7 @@ def train(
         while step < steps:
             batch = next(batches)
             with session.autocast():
-                loss = model(**batch)
+                loss = loss_of(model(**batch))
             session.backward(loss)
             updating = True
             session.step(optimizer)
@@ -283,6 +287,10 @@ def train(
         resumed_from_step=start_step if saved is not None else None,
         parameters=sum(p.numel() for p in _raw_model(model).parameters()),
     )
+    if export_dir is not None:  # the trained model (+ tokenizer), loadable without slipstream's loop
+        from .export import export_workload_model
+
+        export_workload_model(model, export_dir, workload)
     return result
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .models import loss_of
+from .recipe import RecipeError
 from .shapes.loader import Batch, ShapedLoader
 
 SLICE_TOKENS = 1024
@@ -43,12 +45,10 @@ class LoaderTiming:
 
 
 def _loss_of(out: object) -> torch.Tensor:
-    loss = getattr(out, "loss", out)  # Hugging Face models return an output object with .loss
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TrialError(
-            f"model(**batch) returned {type(out).__name__}, not a scalar loss: cannot time a training step"
-        )
-    return loss
+    try:
+        return loss_of(out)
+    except RecipeError as err:
+        raise TrialError(f"cannot time a training step: {err}") from err
 
 
 @contextlib.contextmanager

@@ -33,7 +33,9 @@ def test_pack_needs_document_ids_and_auto_falls_back():
     data = seqs([5, 9, 12])
     session = Session(Recipe(shapes=ShapesConfig(mode="pack", max_len=16, tokens_per_batch=32)))
     session.prepare_model(NoDocuments())
-    with pytest.raises(RecipeError, match="shapes.mode=pack needs a model whose forward takes document_ids"):
+    with pytest.raises(
+        RecipeError, match="shapes.mode=pack refused: NoDocuments.forward takes no document_ids"
+    ):
         session.prepare_loader(data)
     session = Session(Recipe(shapes=ShapesConfig(mode="auto", max_len=16, tokens_per_batch=32)))
     session.prepare_model(NoDocuments())

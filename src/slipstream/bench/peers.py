@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..models import detect_convention, loss_of
 from ..recipe import Recipe
 from ..shapes.loader import ShapedLoader
 from ..train import evaluate
@@ -79,6 +80,7 @@ class _PeerBase(Contender):
         )
         self.device = self.helper.device
         self.model = get_workload(workload).model(size, self.recipe.shapes.max_len).to(self.device)
+        self.convention, _ = detect_convention(self.model)  # HF models: labels unshifted, -100 at padding
 
         def loader(tokens_per_batch: int | None) -> ShapedLoader:
             shapes = self.recipe.shapes
@@ -91,6 +93,7 @@ class _PeerBase(Contender):
                 device=self.device,
                 pad_id=data.pad_id,
                 lengths=data.train_lengths,
+                convention=self.convention,
             )
 
         shapes = self.recipe.shapes
@@ -102,6 +105,7 @@ class _PeerBase(Contender):
             device=self.device,
             pad_id=data.pad_id,
             lengths=data.validation_lengths,
+            convention=self.convention,
         )
         self.val_batches = val_batches
         self.shapes_seen: set[tuple[int, int]] = set()
@@ -140,7 +144,7 @@ class DIYPeer(_PeerBase, LoopContender):
 
     def train_step(self, batch) -> torch.Tensor:
         with self.autocast():
-            loss = self.step_fn(**batch)
+            loss = loss_of(self.step_fn(**batch))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip)
         self.optimizer.step()
@@ -162,7 +166,7 @@ class AcceleratePeer(_PeerBase, LoopContender):
         self.model, self.optimizer = self.accelerator.prepare(self.model, self._optimizer())
 
     def train_step(self, batch) -> torch.Tensor:
-        loss = self.model(**batch)
+        loss = loss_of(self.model(**batch))
         self.accelerator.backward(loss)
         self.accelerator.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip)
         self.optimizer.step()
@@ -191,7 +195,7 @@ class LightningPeer(_PeerBase):
                 self.net = peer.model
 
             def training_step(self, batch, batch_idx):
-                return self.net(**batch["inputs"])
+                return loss_of(self.net(**batch["inputs"]))
 
             def configure_optimizers(self):
                 return optimizer  # the same optimizer (and its state) across rounds

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..metrics import dynamo_graph_count
+from ..models import loss_of
 from ..parity import judge_parity, noise_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
@@ -214,6 +215,7 @@ class RecipeContender(LoopContender):
             device=self.session.device,
             pad_id=data.pad_id,
             lengths=data.validation_lengths,
+            convention=self.session.convention,
         )
         self.val_batches = val_batches
         self.device = self.session.device
@@ -221,7 +223,7 @@ class RecipeContender(LoopContender):
 
     def train_step(self, batch: Batch) -> torch.Tensor:
         with self.session.autocast():
-            loss = self.model(**batch)
+            loss = loss_of(self.model(**batch))
         self.session.backward(loss)
         self.session.step(self.optimizer)
         return loss
@@ -263,7 +265,8 @@ def custom_factory(cls: type[RecipeContender]) -> Callable[..., RecipeContender]
 def real_tokens_per_step(loader) -> float:
     """Mean real tokens per batch over the loader's first epoch (plans only, no tensors)."""
     plans = loader.plans(epoch=0)
-    real = sum(len(seq) for plan in plans for row in plan.rows for seq in row)
+    # predicted positions, in whatever columns the model's batch convention lays them out
+    real = sum(loader.predicted_tokens(plan) for plan in plans)
     return real / max(len(plans), 1)
 
 

@@ -1,18 +1,23 @@
 """From token sequences to device batches: overflow handling, collation, resumable iteration.
 
-A sequence of n tokens gives n-1 training positions (input t, label t+1), so labels arrive
-already shifted and packed rows never predict across a document boundary.
+A sequence of n tokens gives n-1 training positions (input t, label t+1). How they are laid out is
+the model's batch convention (slipstream.models): for the built-in GPT labels arrive already
+shifted (an item of n positions fills n columns); for a model that shifts labels itself (Hugging
+Face) the row holds all n tokens, labels equal the inputs, and each document's first token is
+labelled -100 so that no position predicts across a document boundary. Either way real_tokens
+counts predicted positions, so every convention is measured in the same unit.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from ..models.convention import SHIFTED, BatchConvention
 from ..recipe import RecipeError, ShapesConfig
 from .policy import BatchPlan, ShapePolicy, get_shape_policy
 
@@ -110,12 +115,16 @@ def collate(
     item_start: np.ndarray,
     pad_id: int,
     with_documents: bool,
+    convention: BatchConvention = SHIFTED,
 ) -> dict[str, np.ndarray]:
+    """Arrays of one batch. Segments are in columns: positions for shifted labels, tokens otherwise."""
     B, T = plan.shape
+    shifted = convention.labels_shifted
     input_ids = np.full((B, T), pad_id, dtype=np.int64)
     labels = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
     position_ids = np.zeros((B, T), dtype=np.int64) if with_documents else None
-    document_ids = np.full((B, T), -1, dtype=np.int64) if with_documents else None
+    by_document_ids = with_documents and convention.packing == "document_ids"
+    document_ids = np.full((B, T), -1, dtype=np.int64) if by_document_ids else None
     for r, row in enumerate(plan.rows):
         col = 0
         for d, seg in enumerate(row):
@@ -123,18 +132,24 @@ def collate(
             a = int(item_start[seg.item]) + seg.start
             n = len(seg)
             input_ids[r, col : col + n] = seq[a : a + n]
-            labels[r, col : col + n] = seq[a + 1 : a + 1 + n]
+            if shifted:
+                labels[r, col : col + n] = seq[a + 1 : a + 1 + n]
+            else:  # the model shifts: a document's first token is nobody's target
+                labels[r, col + 1 : col + n] = seq[a + 1 : a + n]
             if with_documents:
                 position_ids[r, col : col + n] = np.arange(n)
+            if by_document_ids:
                 document_ids[r, col : col + n] = d
             col += n
         if with_documents and col < T:
             # Padding forms its own "document" so it attends only to itself and never to real tokens.
-            document_ids[r, col:] = len(row)
             position_ids[r, col:] = np.arange(T - col)
+            if by_document_ids:
+                document_ids[r, col:] = len(row)
     out = {"input_ids": input_ids, "labels": labels}
     if with_documents:
         out["position_ids"] = position_ids
+    if by_document_ids:
         out["document_ids"] = document_ids
     return out
 
@@ -154,7 +169,9 @@ class ShapedLoader:
         world_size: int = 1,
         lengths: np.ndarray | None = None,
         on_batch: Callable[[Batch, float], None] | None = None,
+        convention: BatchConvention = SHIFTED,
     ):
+        """`convention`: the model's batch convention (slipstream.models.detect_convention)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.sequences = sequences
@@ -163,8 +180,15 @@ class ShapedLoader:
         self.device = torch.device(device)
         self.pad_id = pad_id
         self.rank, self.world_size = rank, world_size
-        self.item_seq, self.item_start, item_len, self.overflow = make_items(sequences, cfg, lengths)
-        self.policy: ShapePolicy = get_shape_policy(cfg.mode)(cfg, item_len, world_size=world_size)
+        self.convention = convention
+        extra = convention.extra_column
+        if extra and cfg.max_len <= extra:
+            raise RecipeError(f"shapes.max_len={cfg.max_len} leaves no room for a prediction; raise it")
+        # Items are cut in positions; a row needs `extra` more columns per item than it predicts.
+        self.item_seq, self.item_start, item_len, self.overflow = make_items(
+            sequences, replace(cfg, max_len=cfg.max_len - extra), lengths
+        )
+        self.policy: ShapePolicy = get_shape_policy(cfg.mode)(cfg, item_len + extra, world_size=world_size)
         self.epoch = 0
         self.position = 0
         self._on_batch = on_batch
@@ -192,14 +216,25 @@ class ShapedLoader:
         for plan in self.plans(epoch):
             B, T = plan.shape
             total += B * T
-            real += sum(len(s) for row in plan.rows for s in row)
+            real += self.predicted_tokens(plan)
         return 1.0 - real / total if total else 0.0
+
+    def predicted_tokens(self, plan: BatchPlan) -> int:
+        """Positions of `plan` with a target: each segment's columns less the convention's extra one."""
+        extra = self.convention.extra_column
+        return sum(len(s) - extra for row in plan.rows for s in row)
 
     # -- iteration ------------------------------------------------------------------------------
 
     def make_batch(self, plan: BatchPlan) -> Batch:
         arrays = collate(
-            plan, self.sequences, self.item_seq, self.item_start, self.pad_id, self.policy.uses_document_ids
+            plan,
+            self.sequences,
+            self.item_seq,
+            self.item_start,
+            self.pad_id,
+            self.policy.uses_document_ids,
+            self.convention,
         )
         pin = self.device.type == "cuda"
         batch = Batch()
@@ -208,7 +243,7 @@ class ShapedLoader:
             if pin:
                 t = t.pin_memory()
             batch[k] = t.to(self.device, non_blocking=pin)
-        real = sum(len(s) for row in plan.rows for s in row)
+        real = self.predicted_tokens(plan)
         batch.real_tokens = real
         batch.padded_tokens = plan.shape[0] * plan.shape[1] - real
         batch.shape = plan.shape

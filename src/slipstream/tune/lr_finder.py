@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..models import loss_of
 from ..recipe import Recipe, RecipeError
 
 
@@ -142,7 +143,7 @@ def lr_find(
     def compute(batch: Any) -> torch.Tensor:
         if loss_fn is not None:
             return loss_fn(model, batch)
-        return model(**batch) if isinstance(batch, dict) else model(batch)
+        return loss_of(model(**batch) if isinstance(batch, dict) else model(batch))
 
     def step(lr: float) -> float:
         for group in optimizer.param_groups:

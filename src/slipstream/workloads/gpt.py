@@ -197,6 +197,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    slipstream_convention = "shifted"  # labels arrive shifted; packed rows carry document_ids
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg

@@ -1,0 +1,173 @@
+"""Hugging Face causal LMs, trained as transformers itself would, only faster.
+
+Everything here changes the one instance the user handed over (no class is patched):
+
+- `prepare_forward`: the instance's forward turns the KV cache off whenever labels are given.
+  transformers honours packed `position_ids` only when there is no cache, and a training forward
+  builds one by default (`config.use_cache=True`): packed documents would then attend to each other.
+- `apply_hf_kernels`: the fused linear cross-entropy over the LM head (the [tokens, vocab] logits
+  are never built), Llama-style RMSNorm and SwiGLU MLPs, plus the generic swaps of
+  `kernels.apply_kernels` (nn.LayerNorm in GPT-2). The fused head is checked against the model's
+  own loss on a small batch before it is kept: a model whose head does more than a linear layer
+  (logit soft-capping, scaling) keeps its own forward, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+# Llama-family RMSNorms: weight * (x * rsqrt(mean(x^2) + eps)), computed in fp32. Gemma's (1 + weight)
+# form is deliberately absent: the fused kernel would compute another function.
+_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "OlmoRMSNorm"})
+_SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+_FUSED_HEAD_CHECK_TOL = 1e-4
+
+
+def _class_forward(model: nn.Module):
+    return type(model).forward
+
+
+def prepare_forward(model: nn.Module) -> None:
+    """Install the training forward on this instance (idempotent): no cache when labels are given."""
+    if getattr(model, "_slipstream_forward", False):
+        return
+    model._slipstream_forward = True  # type: ignore[attr-defined]
+    model._slipstream_fused_head = None  # type: ignore[attr-defined]  # kernel backend when fused
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("labels") is None:  # generation and plain inference: the class's own forward
+            return _class_forward(self)(self, *args, **kwargs)
+        kwargs.setdefault("use_cache", False)
+        if self._slipstream_fused_head is not None and not kwargs.get("output_hidden_states"):
+            return _fused_head_forward(self, *args, **kwargs)
+        return _class_forward(self)(self, *args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _fused_head_forward(model: nn.Module, input_ids=None, labels=None, **kwargs):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from ..kernels import fused_linear_cross_entropy
+
+    for key in ("logits_to_keep", "num_items_in_batch", "return_dict"):
+        kwargs.pop(key, None)
+    hidden = model.base_model(input_ids=input_ids, **kwargs)[0]
+    head = model.get_output_embeddings()
+    # The model's own loss shifts the same way: position t predicts labels[t + 1].
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    loss = fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head.weight,
+        targets.reshape(-1).to(hidden.device),
+        bias=head.bias,
+        ignore_index=IGNORE_INDEX,
+        backend=model._slipstream_fused_head,
+    )
+    return CausalLMOutputWithPast(loss=loss)
+
+
+def _fused_head_problem(model: nn.Module, backend: str) -> str | None:
+    """Why the fused head would not compute this model's loss (None: checked equal on a small batch)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return f"the output head is {type(head).__name__}, not nn.Linear"
+    if not hasattr(model, "base_model") or model.base_model is model:
+        return "no separate base model to take the hidden states from"
+    vocab = min(int(head.weight.shape[0]), 256)
+    device = head.weight.device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 16), generator=gen).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            own = _class_forward(model)(model, input_ids=ids, labels=ids, use_cache=False).loss
+            model._slipstream_fused_head = backend
+            fused = _fused_head_forward(model, input_ids=ids, labels=ids, use_cache=False).loss
+    except Exception as err:  # a model the fused path cannot drive keeps its own forward
+        return f"the fused head failed on this model ({type(err).__name__}: {err})"
+    finally:
+        model._slipstream_fused_head = None
+        model.train(was_training)
+    gap = abs(float(own) - float(fused))
+    if not gap <= _FUSED_HEAD_CHECK_TOL * max(1.0, abs(float(own))):
+        return f"its loss differs from the model's own by {gap:.2e} (the head does more than a linear layer)"
+    return None
+
+
+def _swap_rms_norms(model: nn.Module, backend: str) -> int:
+    from ..kernels import nn as knn
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is None or type(child).__name__ not in _RMS_NORMS:
+                continue
+            new = knn.RMSNorm(child.weight.shape, eps=child.variance_epsilon, device="meta")
+            new.weight = child.weight  # the same Parameter: optimizer and state_dict keys unaffected
+            new.backend = backend
+            parent._modules[name] = new
+            count += 1
+    return count
+
+
+def _swap_swiglu_mlps(model: nn.Module, backend: str) -> int:
+    from ..kernels import swiglu
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), backend=backend))
+
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in _SWIGLU_MLPS and getattr(module.config, "hidden_act", None) == "silu":
+            module.forward = types.MethodType(forward, module)
+            count += 1
+    return count
+
+
+def apply_hf_kernels(model: nn.Module, ops: str | Sequence[str], device: torch.device):
+    """Fused kernels on a Hugging Face causal LM instance; returns a kernels.KernelSwapReport."""
+    from ..kernels import CPU_WINS, KernelSwapReport, apply_kernels, parse_ops, resolve_backend
+
+    prepare_forward(model)
+    wanted = parse_ops(ops)
+    backend = resolve_backend("auto", device)
+    report = KernelSwapReport(backend=backend)
+
+    def active(op: str) -> bool:
+        if op not in wanted:
+            return False
+        if ops == "auto" and backend == "torch" and op not in CPU_WINS:
+            report.skipped[op] = f"no gain on the torch backend ({device.type}): kept the model's module"
+            return False
+        return True
+
+    # The generic pass covers torch modules the model uses as-is (nn.LayerNorm in GPT-2).
+    generic = [op for op in ("layer_norm", "gelu_tanh") if active(op)]
+    if generic:
+        done = apply_kernels(model, generic, device)
+        report.swapped.update(done.swapped)
+        report.skipped.update(done.skipped)
+    if active("linear_cross_entropy"):
+        problem = _fused_head_problem(model, backend)
+        if problem is None:
+            model._slipstream_fused_head = backend  # type: ignore[attr-defined]
+            report.swapped["linear_cross_entropy"] = 1
+        else:
+            report.skipped["linear_cross_entropy"] = problem
+    if active("rms_norm"):
+        n = _swap_rms_norms(model, backend)
+        if n:
+            report.swapped["rms_norm"] = n
+    if active("swiglu"):
+        n = _swap_swiglu_mlps(model, backend)
+        if n:
+            report.swapped["swiglu"] = n
+    return report
