@@ -1,7 +1,17 @@
-"""Suite-wide hooks: tests marked `gpu` skip, with the reason printed, where no CUDA device is visible."""
+"""Suite-wide hooks: tests marked `gpu` skip, with the reason printed, where no CUDA device is visible.
+
+Without CUDA, Triton kernels run in Triton's CPU interpreter. The switch is set here, in the conftest
+pytest loads first: Triton decorates its own library functions when it is first imported (a test
+module importing transformers imports it), and a kernel interpreted later cannot call those.
+"""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -146,6 +146,8 @@ def test_trainer_peer_learns_and_stops_at_the_budget(workloads, cls):
     assert 2000 <= second.real_tokens and second.steps == len(second.losses)
     assert second.steps <= 2000 // 600 + 3  # ~600 real tokens per step: stopped at the budget
     assert peer.validation_loss() < before - 0.05  # it trained on the right labels
+    peer.close()
+    assert not peer._thread.is_alive()  # the Trainer's run ended with the benchmark
 
 
 def test_flattened_batch_gives_the_padded_batch_loss(workloads):
@@ -160,6 +162,7 @@ def test_flattened_batch_gives_the_padded_batch_loss(workloads):
         padded = peer.model(**pad_batch(docs, PAD)).loss
     assert flat.item() == pytest.approx(padded.item(), rel=1e-4)
     assert token_counts(peer.collator(docs)) == (sum(len(d["input_ids"]) - 1 for d in docs), 0)
+    peer.close()
 
 
 def test_non_hf_model_makes_the_peers_unavailable_with_the_reason(workloads):

@@ -16,7 +16,7 @@ clipping, optimizer and LR-schedule steps — with one continuous data order and
 set-up (accelerator, dataloader, sampler permutation of the first epoch) outside every round.
 The alternatives were worse: one `train()` per round (as the Lightning peer does one `fit`) would
 restart the data order, the schedule and the sampler each round; driving `training_step` by hand
-would time our loop, not the Trainer's. The thread stays parked (a daemon) after the benchmark.
+would time our loop, not the Trainer's. `close()` (the runner calls it when the benchmark ends) stops the run and joins the thread.
 
 Matching the others: batch size (documents per step) = the runner's real tokens per step over the
 mean predicted positions per document, so one step carries the matched real tokens on average.
@@ -179,10 +179,12 @@ class _TrainerPeer(_PeerBase):
 
         class Rounds(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
-                peer._pause()  # set-up done: wait for the first round
+                if not peer._pause():  # set-up done: wait for the first round
+                    control.should_training_stop = True
 
             def on_step_end(self, args, state, control, **kwargs):
-                peer._step_done()
+                if not peer._step_done():
+                    control.should_training_stop = True
 
         # The loss of each step, as the model computed it (Trainer's own loss), left on the device.
         self.model.register_forward_hook(lambda module, inputs, out: setattr(self, "_last_loss", out.loss))
@@ -208,17 +210,20 @@ class _TrainerPeer(_PeerBase):
         else:
             self._done.put(RuntimeError(f"{self.name}: the Trainer ended its run before the benchmark"))
 
-    def _pause(self) -> None:
+    def _pause(self) -> bool:
+        """Park until the next round; False when the benchmark is over (close) and training must end."""
         self._done.put(None)
         self._round = self._go.get()
+        return self._round is not None
 
-    def _step_done(self) -> None:
+    def _step_done(self) -> bool:
         r = self._round
+        if r is None:
+            return False
         real, padded = self._counts.popleft()
         r.real, r.padded, r.steps = r.real + real, r.padded + padded, r.steps + 1
         r.losses.append(self._last_loss.detach())
-        if r.over():
-            self._pause()
+        return self._pause() if r.over() else True
 
     # -- the benchmark's thread -----------------------------------------------------------------
 
@@ -227,6 +232,12 @@ class _TrainerPeer(_PeerBase):
         if err is not None:
             self._failed = err  # the thread has ended: no later round may wait on it
             raise err
+
+    def close(self) -> None:
+        """End the Trainer's run: its thread (and the model it holds) must not outlive the benchmark."""
+        if self._thread.is_alive() and self._failed is None:
+            self._go.put(None)
+            self._thread.join(timeout=60)
 
     def run_round(
         self, real_token_budget: int | None, max_steps: int | None = None, max_seconds: float | None = None

@@ -123,6 +123,10 @@ class Contender(ABC):
     def info(self) -> dict[str, Any]:
         return {}
 
+    def close(self) -> None:
+        """Release what the contender holds beyond its objects (threads, processes); called once."""
+        return None
+
 
 class LoopContender(Contender):
     """A contender whose loop we drive: one `train_step` per batch from `self.batches`."""
@@ -460,165 +464,175 @@ def run_bench(
         except PeerUnavailable as why:
             skipped[peer] = str(why)
 
-    device = getattr(contenders[0], "device", torch.device("cpu"))
-    warm: dict[str, float] = {}
-    # dynamo's graph counter is process-wide, so each contender's recompiles are the graphs built
-    # while it alone was running, after its first step.
-    everyone = contenders + noise
-    recompiles: dict[str, int] = {c.name: 0 for c in everyone}
-    capped: set[str] = set()
-    failed: set[str] = set()
+    built = contenders + noise
+    try:
+        device = getattr(contenders[0], "device", torch.device("cpu"))
+        warm: dict[str, float] = {}
+        # dynamo's graph counter is process-wide, so each contender's recompiles are the graphs built
+        # while it alone was running, after its first step.
+        everyone = contenders + noise
+        recompiles: dict[str, int] = {c.name: 0 for c in everyone}
+        capped: set[str] = set()
+        failed: set[str] = set()
 
-    def counted_round(c: Contender, budget: int | None, max_steps: int | None = None) -> RoundStats | None:
-        before = dynamo_graph_count()
-        try:
-            stats = c.run_round(budget, max_steps=max_steps, max_seconds=max_round_s)
-        except Exception as err:  # out of memory, a crash in a kernel or compiler
-            if not tolerate_failures or c is contenders[0]:
-                raise
-            skipped[c.name] = _failure("failed while training", err)
-            say(f"dropping {c.name}: {skipped[c.name]}")
-            failed.add(c.name)
-            return None
-        recompiles[c.name] += dynamo_graph_count() - before
-        if budget is not None and stats.real_tokens < budget:
-            capped.add(c.name)
-        return stats
+        def counted_round(
+            c: Contender, budget: int | None, max_steps: int | None = None
+        ) -> RoundStats | None:
+            before = dynamo_graph_count()
+            try:
+                stats = c.run_round(budget, max_steps=max_steps, max_seconds=max_round_s)
+            except Exception as err:  # out of memory, a crash in a kernel or compiler
+                if not tolerate_failures or c is contenders[0]:
+                    raise
+                skipped[c.name] = _failure("failed while training", err)
+                say(f"dropping {c.name}: {skipped[c.name]}")
+                failed.add(c.name)
+                return None
+            recompiles[c.name] += dynamo_graph_count() - before
+            if budget is not None and stats.real_tokens < budget:
+                capped.add(c.name)
+            return stats
 
-    for c in everyone:
-        say(f"warm-up {c.name}")
-        t0 = time.perf_counter()
-        first = counted_round(c, None, 1)
-        recompiles[c.name] = 0  # the first step's graphs are compiles, not recompiles
-        if first is not None and warmup_steps > 1:
-            counted_round(c, None, warmup_steps - 1)
-        warm[c.name] = time.perf_counter() - t0
+        for c in everyone:
+            say(f"warm-up {c.name}")
+            t0 = time.perf_counter()
+            first = counted_round(c, None, 1)
+            recompiles[c.name] = 0  # the first step's graphs are compiles, not recompiles
+            if first is not None and warmup_steps > 1:
+                counted_round(c, None, warmup_steps - 1)
+            warm[c.name] = time.perf_counter() - t0
 
-    per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
-    for r in range(rounds):
-        for c in everyone:  # interleaved: A B C A B C ...
+        per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
+        for r in range(rounds):
+            for c in everyone:  # interleaved: A B C A B C ...
+                if c.name in failed:
+                    continue
+                st = counted_round(c, budget)
+                if st is None:
+                    continue
+                per_round[c.name].append(st)
+                say(
+                    f"round {r + 1}/{rounds} {c.name}: {st.real_tokens / st.seconds:,.0f} real tok/s "
+                    f"({st.steps} steps, {st.seconds:.1f} s)"
+                )
+
+        say("reading the peak matmul rate (machine probe)")
+        peak = peak_flops_from_probe(device)
+        noise_losses = []
+        contenders = [c for c in contenders if c.name not in failed]
+        for c in noise:
             if c.name in failed:
                 continue
-            st = counted_round(c, budget)
-            if st is None:
-                continue
-            per_round[c.name].append(st)
-            say(
-                f"round {r + 1}/{rounds} {c.name}: {st.real_tokens / st.seconds:,.0f} real tok/s "
-                f"({st.steps} steps, {st.seconds:.1f} s)"
+            say(f"validation {c.name}")
+            noise_losses.append(c.validation_loss())
+        results: list[ContenderResult] = []
+        warnings: list[str] = []
+        ref_val: float | None = None
+        band = 0.0
+        for c in contenders:
+            stats = per_round[c.name]
+            tps = [s.real_tokens / s.seconds for s in stats]
+            med = float(np.median(tps))
+            steps = sum(s.steps for s in stats)
+            seconds = sum(s.seconds for s in stats)
+            real = sum(s.real_tokens for s in stats)
+            padded = sum(s.padded_tokens for s in stats)
+            step_time = seconds / max(steps, 1)
+            say(f"validation {c.name}")
+            val = c.validation_loss()
+            if ref_val is None:
+                ref_val = val
+                band = noise_band([val, *noise_losses])
+            verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
+            if c is contenders[0]:
+                verdict = "reference"
+            elif c.name in capped:
+                verdict = "unjudged"
+                warnings.append(
+                    f"{c.name}: rounds cut at {max_round_s:.0f} s before the token budget; parity not judged"
+                )
+            info = c.info()
+            n_params = getattr(c, "model", None)
+            params = sum(p.numel() for p in n_params.parameters()) if n_params is not None else 0
+            mfu = med * 6 * params / peak.get(c.precision, peak["fp32"])
+            noisy = med > 0 and _iqr(tps) / med > NOISY_IQR_RATIO
+            if noisy:
+                warnings.append(
+                    f"{c.name}: IQR/median of tokens/s is {_iqr(tps) / med:.2f} (> {NOISY_IQR_RATIO}); rerun with more rounds"
+                )
+            mem, note = None, "not measured"
+            if c.kind == "recipe":
+                if device.type == "cuda":
+                    mem, note = (
+                        int(info.get("peak_memory_bytes", 0)) or None,
+                        "cuda_max_allocated (whole run)",
+                    )
+                elif memory in ("auto", "subprocess"):
+                    say(f"peak memory {c.name}")
+                    mem, note = peak_memory_in_subprocess(c.name, workload, size)
+            cum, curve = 0, []
+            per_step_tokens = real / max(steps, 1)
+            for st in stats:
+                for loss in st.losses:
+                    cum += per_step_tokens
+                    curve.append((int(cum), loss))
+            data_wait = sum(st.data_wait_s for st in stats)
+            results.append(
+                ContenderResult(
+                    name=c.name,
+                    kind=c.kind,
+                    real_tokens_per_s=med,
+                    real_tokens_per_s_iqr=_iqr(tps),
+                    round_tokens_per_s=tps,
+                    speedup=0.0,
+                    step_time_s=step_time,
+                    padding_waste=padded / (real + padded) if real + padded else 0.0,
+                    data_wait_s=data_wait,
+                    distinct_shapes=int(info.get("distinct_shapes", 0)),
+                    recompiles=recompiles[c.name],
+                    compile_s=max(0.0, warm[c.name] - warmup_steps * step_time),
+                    peak_memory_bytes=mem,
+                    peak_memory_note=note,
+                    real_tokens=real,
+                    steps=steps,
+                    val_loss=val,
+                    parity_gap=gap if math.isfinite(gap) else 1e9,
+                    parity=verdict,
+                    mfu=mfu,
+                    precision=c.precision,
+                    noisy=noisy,
+                    loss_curve=curve,
+                    time_breakdown_s={"compute": max(0.0, seconds - data_wait), "data_wait": data_wait},
+                    info={k: v for k, v in info.items() if k not in ("distinct_shapes", "recompiles")},
+                )
             )
+        base = results[0].real_tokens_per_s
+        for r in results:
+            r.speedup = r.real_tokens_per_s / base if base else 0.0
+        from ..doctor import machine_info
 
-    say("reading the peak matmul rate (machine probe)")
-    peak = peak_flops_from_probe(device)
-    noise_losses = []
-    contenders = [c for c in contenders if c.name not in failed]
-    for c in noise:
-        if c.name in failed:
-            continue
-        say(f"validation {c.name}")
-        noise_losses.append(c.validation_loss())
-    results: list[ContenderResult] = []
-    warnings: list[str] = []
-    ref_val: float | None = None
-    band = 0.0
-    for c in contenders:
-        stats = per_round[c.name]
-        tps = [s.real_tokens / s.seconds for s in stats]
-        med = float(np.median(tps))
-        steps = sum(s.steps for s in stats)
-        seconds = sum(s.seconds for s in stats)
-        real = sum(s.real_tokens for s in stats)
-        padded = sum(s.padded_tokens for s in stats)
-        step_time = seconds / max(steps, 1)
-        say(f"validation {c.name}")
-        val = c.validation_loss()
-        if ref_val is None:
-            ref_val = val
-            band = noise_band([val, *noise_losses])
-        verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
-        if c is contenders[0]:
-            verdict = "reference"
-        elif c.name in capped:
-            verdict = "unjudged"
-            warnings.append(
-                f"{c.name}: rounds cut at {max_round_s:.0f} s before the token budget; parity not judged"
-            )
-        info = c.info()
-        n_params = getattr(c, "model", None)
-        params = sum(p.numel() for p in n_params.parameters()) if n_params is not None else 0
-        mfu = med * 6 * params / peak.get(c.precision, peak["fp32"])
-        noisy = med > 0 and _iqr(tps) / med > NOISY_IQR_RATIO
-        if noisy:
-            warnings.append(
-                f"{c.name}: IQR/median of tokens/s is {_iqr(tps) / med:.2f} (> {NOISY_IQR_RATIO}); rerun with more rounds"
-            )
-        mem, note = None, "not measured"
-        if c.kind == "recipe":
-            if device.type == "cuda":
-                mem, note = int(info.get("peak_memory_bytes", 0)) or None, "cuda_max_allocated (whole run)"
-            elif memory in ("auto", "subprocess"):
-                say(f"peak memory {c.name}")
-                mem, note = peak_memory_in_subprocess(c.name, workload, size)
-        cum, curve = 0, []
-        per_step_tokens = real / max(steps, 1)
-        for st in stats:
-            for loss in st.losses:
-                cum += per_step_tokens
-                curve.append((int(cum), loss))
-        data_wait = sum(st.data_wait_s for st in stats)
-        results.append(
-            ContenderResult(
-                name=c.name,
-                kind=c.kind,
-                real_tokens_per_s=med,
-                real_tokens_per_s_iqr=_iqr(tps),
-                round_tokens_per_s=tps,
-                speedup=0.0,
-                step_time_s=step_time,
-                padding_waste=padded / (real + padded) if real + padded else 0.0,
-                data_wait_s=data_wait,
-                distinct_shapes=int(info.get("distinct_shapes", 0)),
-                recompiles=recompiles[c.name],
-                compile_s=max(0.0, warm[c.name] - warmup_steps * step_time),
-                peak_memory_bytes=mem,
-                peak_memory_note=note,
-                real_tokens=real,
-                steps=steps,
-                val_loss=val,
-                parity_gap=gap if math.isfinite(gap) else 1e9,
-                parity=verdict,
-                mfu=mfu,
-                precision=c.precision,
-                noisy=noisy,
-                loss_curve=curve,
-                time_breakdown_s={"compute": max(0.0, seconds - data_wait), "data_wait": data_wait},
-                info={k: v for k, v in info.items() if k not in ("distinct_shapes", "recompiles")},
-            )
+        return BenchResult(
+            workload=workload,
+            size=size,
+            machine=machine_info(),
+            method={
+                "rounds": rounds,
+                "round_real_tokens": budget,
+                "warmup_steps": warmup_steps,
+                "val_batches": val_batches,
+                "parity_tolerance": max(band, parity_floor),
+                "parity_noise_band": band,
+                "parity_floor": parity_floor,
+                "parity_noise_val_losses": [ref_val, *noise_losses],
+                "real_tokens_per_step": target,
+                "order": "interleaved A B C per round; medians over rounds",
+            },
+            peak_flops=peak,
+            contenders=results,
+            skipped=skipped,
+            warnings=warnings,
+            wall_s=time.perf_counter() - t_start,
         )
-    base = results[0].real_tokens_per_s
-    for r in results:
-        r.speedup = r.real_tokens_per_s / base if base else 0.0
-    from ..doctor import machine_info
-
-    return BenchResult(
-        workload=workload,
-        size=size,
-        machine=machine_info(),
-        method={
-            "rounds": rounds,
-            "round_real_tokens": budget,
-            "warmup_steps": warmup_steps,
-            "val_batches": val_batches,
-            "parity_tolerance": max(band, parity_floor),
-            "parity_noise_band": band,
-            "parity_floor": parity_floor,
-            "parity_noise_val_losses": [ref_val, *noise_losses],
-            "real_tokens_per_step": target,
-            "order": "interleaved A B C per round; medians over rounds",
-        },
-        peak_flops=peak,
-        contenders=results,
-        skipped=skipped,
-        warnings=warnings,
-        wall_s=time.perf_counter() - t_start,
-    )
+    finally:
+        for c in built:
+            c.close()  # threads and processes a contender started end with the benchmark
