@@ -378,7 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recipes", default="baseline", help="comma-separated specs, or `demo`; the first is the reference"
     )
-    p.add_argument("--peers", default="", help="comma-separated: diy, accelerate, lightning")
+    p.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated: diy, accelerate, lightning, hf-trainer, hf-trainer-flat (the last two for Hugging Face models)",
+    )
     p.add_argument(
         "--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a field in every recipe"
     )
