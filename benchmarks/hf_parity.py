@@ -6,7 +6,8 @@ For each model (GPT-2 and Llama-style, benchmarks/hf_models.py) and the same cor
   longest with an `attention_mask`, labels = input_ids with -100 at padding, AdamW, grad clip 1.0,
   fp32; run with seeds 0, 1, 2 (init and data order): their spread is the noise band;
 - `slipstream` — `Session(recipe)` (default `auto`: packing or buckets, fused LM head, dtype by the
-  probe) with seed 0, at the plain loop's mean real tokens per optimizer step.
+  probe) with seed 0, its batches rescaled to the plain loop's mean real tokens per optimizer step
+  (`slipstream.bench.runner.matched_loader`: otherwise fewer, fuller steps would be compared).
 
 Every run trains `--steps` steps; the verdicts are slipstream.parity's: the final 20-step mean of the
 training loss against the plain seed-0 curve (band = the seeds' spread), and the validation loss on
@@ -26,11 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The repository root, not this folder: benchmarks/kernels.py would shadow the `kernels` package
+# that transformers probes for.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from benchmarks import hf_models  # noqa: E402
 
 from slipstream import Session  # noqa: E402
+from slipstream.bench.runner import matched_loader  # noqa: E402
 from slipstream.doctor import machine_info  # noqa: E402
 from slipstream.models import loss_of  # noqa: E402
 from slipstream.parity import judge_parity, noise_band, parity  # noqa: E402
@@ -81,14 +85,25 @@ def plain_run(factory, train, val, pad_id, seed, steps, docs_per_step, max_len, 
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     secs = time.perf_counter() - t0
-    return {"loss": losses, "val_loss": validation_loss(model, val, pad_id), "real_tokens_per_s": real / secs}
+    return {
+        "loss": losses,
+        "val_loss": validation_loss(model, val, pad_id),
+        "real_tokens": real,
+        "real_tokens_per_s": real / secs,
+    }
 
 
-def slipstream_run(factory, data, val, recipe, steps, tokens_per_step):
-    session = Session(f"{recipe}+shapes.tokens_per_batch={tokens_per_step}")
+def slipstream_run(factory, data, val, recipe, steps, target, max_len):
+    session = Session(recipe)
     model = session.prepare_model(factory())
     opt = session.build_optimizer(model, total_steps=steps)
-    loader = session.prepare_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
+
+    def build(tokens_per_batch):
+        return session.prepare_loader(
+            data.train, tokens_per_batch, lengths=data.train_lengths, pad_id=data.pad_id
+        )
+
+    loader = matched_loader(build, session.recipe.shapes.tokens_per_batch, target, max_len)
     losses, real = [], 0
     t0 = time.perf_counter()
     for _, batch in zip(range(steps), loader.forever()):
@@ -103,6 +118,7 @@ def slipstream_run(factory, data, val, recipe, steps, tokens_per_step):
     return {
         "loss": losses,
         "val_loss": validation_loss(base, val, data.pad_id),
+        "real_tokens": real,
         "real_tokens_per_s": real / secs,
         "decisions": session.decisions,
         "padding_waste": loader.padding_waste(),
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="gpt2_small,llama_small")
     ap.add_argument("--recipe", default="auto")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--docs-per-step", type=int, default=12)
+    ap.add_argument("--tokens-per-step", type=int, default=1024, help="about this many real tokens per step")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--val-docs", type=int, default=64)
     ap.add_argument("--json")
@@ -134,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(min(args.val_docs, len(data.validation)))
         ]
         mean_pred = float(np.mean(np.minimum(data.train_lengths, args.max_len) - 1))
-        tokens_per_step = int(round(args.docs_per_step * mean_pred))
+        docs_per_step = max(1, round(args.tokens_per_step / mean_pred))
+        target = docs_per_step * mean_pred
         runs = {}
         for seed in (0, 1, 2):
             print(f"{name}: plain seed {seed}", flush=True)
@@ -145,19 +162,20 @@ def main(argv: list[str] | None = None) -> int:
                 data.pad_id,
                 seed,
                 args.steps,
-                args.docs_per_step,
+                docs_per_step,
                 args.max_len,
                 opt_cfg,
             )
         print(f"{name}: slipstream {args.recipe}", flush=True)
-        recipe = f"{args.recipe}+shapes.max_len={args.max_len}"
-        runs["slipstream"] = slipstream_run(factory, data, val, recipe, args.steps, tokens_per_step)
+        recipe = f"{args.recipe}+shapes.max_len={args.max_len}+shapes.tokens_per_batch={args.tokens_per_step}"
+        runs["slipstream"] = slipstream_run(factory, data, val, recipe, args.steps, target, args.max_len)
         ref, noise = runs["plain-seed0"], [runs["plain-seed1"], runs["plain-seed2"]]
         curve = parity(runs["slipstream"]["loss"], ref["loss"], noise_curves=[r["loss"] for r in noise])
         band = noise_band([r["val_loss"] for r in (ref, *noise)])
         verdict, gap, allowed = judge_parity(runs["slipstream"]["val_loss"], ref["val_loss"], band)
         out["models"][name] = {
-            "tokens_per_step": tokens_per_step,
+            "docs_per_step": docs_per_step,
+            "target_real_tokens_per_step": target,
             "runs": runs,
             "train_curve_parity": {
                 "passed": curve.passed,
@@ -168,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             "val_parity": {"verdict": verdict, "gap": gap, "allowed": allowed},
         }
         print(
-            f"{name}: train-curve {curve.reason}; validation "
+            f"{name}: real tokens plain {ref['real_tokens']:,} / slipstream {runs['slipstream']['real_tokens']:,}; "
+            f"train-curve {curve.reason}; validation "
             f"{runs['slipstream']['val_loss']:.4f} vs plain {ref['val_loss']:.4f} (seeds "
             f"{', '.join(format(r['val_loss'], '.4f') for r in noise)}): gap {gap:.2%}, allowed {allowed:.2%} -> {verdict}",
             flush=True,
