@@ -34,6 +34,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 from benchmarks import hf_models  # noqa: E402
 
 from slipstream import Session  # noqa: E402
+from slipstream.bench.hf_peers import pad_batch  # noqa: E402
 from slipstream.bench.runner import matched_loader  # noqa: E402
 from slipstream.doctor import machine_info  # noqa: E402
 from slipstream.models import loss_of  # noqa: E402
@@ -44,12 +45,8 @@ from slipstream.workloads.user import user_workload_name  # noqa: E402
 
 
 def padded(docs: list[np.ndarray], pad_id: int) -> dict[str, torch.Tensor]:
-    T = max(len(d) for d in docs)
-    ids = torch.full((len(docs), T), pad_id)
-    mask = torch.zeros((len(docs), T), dtype=torch.long)
-    for r, d in enumerate(docs):
-        ids[r, : len(d)], mask[r, : len(d)] = torch.as_tensor(d, dtype=torch.long), 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    """The plain way: pad to the batch's longest with an attention_mask, -100 at padding."""
+    return pad_batch([{"input_ids": d} for d in docs], pad_id)
 
 
 @torch.no_grad()

@@ -100,15 +100,12 @@ def resolve_workload(args: argparse.Namespace) -> None:
 
 def workload_flags(workload: str, size: str) -> str:
     """The command-line flags that select `workload` (for printed commands a user can paste)."""
-    import shlex
-
     if not workload.startswith("user:"):
         return f"--workload {workload} --size {size}"
     from .workloads.user import parse_user_name
 
     spec = parse_user_name(workload)
-    flags = [f"--{k.replace('_', '-')} {shlex.quote(v)}" for k, v in spec._items()]
-    return " ".join(flags + ([] if spec.model else [f"--size {size}"]))
+    return " ".join(spec.flags() + ([] if spec.model else [f"--size {size}"]))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

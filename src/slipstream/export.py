@@ -16,23 +16,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from .models import is_hf_model
 from .recipe import RecipeError
 
 MARKER = "slipstream_export.json"
 FORMAT = 1
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    # transformers is imported by whoever built an HF model; no import here for plain modules.
-    tf = sys.modules.get("transformers")
-    return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
 def export_model(

@@ -67,19 +67,18 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) -> dict[str, object]:
     """Swap fused kernels into this model instance; returns what was swapped."""
-    if is_hf_model(model):
-        from .models.hf import apply_hf_kernels, prepare_forward
+    hf = is_hf_model(model)
+    if hf:
+        from .models.hf import prepare_forward
 
         prepare_forward(model)  # no KV cache while training, whatever the kernels
-        if cfg.ops == "off":
-            return {}
-        report = apply_hf_kernels(model, cfg.ops, device)
+    if cfg.ops == "off":
+        return {}
+    if hf:
+        from .models.hf import apply_hf_kernels as swap
     else:
-        if cfg.ops == "off":
-            return {}
-        from . import kernels  # lazy: Triton is optional
-
-        report = kernels.apply_kernels(model, cfg.ops, device)
+        from .kernels import apply_kernels as swap  # lazy: Triton is optional
+    report = swap(model, cfg.ops, device)
     out: dict[str, object] = {"kernels_swapped": dict(report.swapped), "kernels_backend": report.backend}
     if report.skipped:
         out["kernels_skipped"] = dict(report.skipped)

@@ -14,7 +14,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from slipstream.bench import run_bench
 from slipstream.bench.hf_peers import HFTrainerFlatPeer, HFTrainerPeer, pad_batch, token_counts
 from slipstream.bench.peers import PeerUnavailable
-from slipstream.bench.runner import RecipeContender
 from slipstream.presets import resolve_recipe
 from slipstream.shapes.loader import IGNORE_INDEX
 from slipstream.workloads.registry import WORKLOADS, Workload, WorkloadData, register_workload
@@ -39,8 +38,8 @@ def _gpt2(size: str, max_len: int) -> GPT2LMHeadModel:
 
 
 class _BuiltinConvention(nn.Module):
-    """GPT-2 behind slipstream's built-in batch convention (pre-shifted labels, mean loss), so the
-    bench reference runs through Session whatever Session knows of HF models."""
+    """GPT-2 behind slipstream's built-in batch convention (pre-shifted labels, mean loss): a model
+    that is not a Hugging Face PreTrainedModel."""
 
     def __init__(self, size: str, max_len: int):
         super().__init__()
@@ -85,17 +84,10 @@ def workloads():
 
 @pytest.fixture(scope="module")
 def bench(workloads):
-    hf, plain = workloads
-
-    def reference(spec, workload, size, data, val_batches, ref, target):
-        return RecipeContender(
-            REFERENCE, plain, size, data, val_batches, ref, real_tokens_per_step=target, name=spec
-        )
-
+    hf, _ = workloads
     return run_bench(
         hf,
-        ["reference@" + REFERENCE],
-        custom={"reference@" + REFERENCE: reference},
+        [REFERENCE],
         peers=["hf-trainer", "hf-trainer-flat"],
         rounds=2,
         round_tokens=1500,

@@ -35,7 +35,6 @@ rounds of ~50 steps or more average it out.
 from __future__ import annotations
 
 import importlib.util
-import math
 import queue
 import tempfile
 import threading
@@ -253,29 +252,6 @@ class _TrainerPeer(_PeerBase):
         seconds = time.perf_counter() - r.t0
         losses = torch.stack(r.losses).float().tolist()
         return RoundStats(seconds, r.real, r.padded, r.steps, 0.0, losses)
-
-    def validation_loss(self) -> float:
-        """Token-weighted loss on the runner's shared validation batches (the same documents in the
-        same batches), rebuilt in the HF convention: unshifted labels, -100 at padding."""
-        loader, max_len = self.val_loader, self.recipe.shapes.max_len
-        was_training = self.model.training
-        self.model.eval()
-        total, tokens = 0.0, 0
-        with torch.no_grad(), self.autocast():
-            for plan in loader.plans(epoch=0)[: self.val_batches]:
-                docs = []
-                for row in plan.rows:
-                    for seg in row:  # n predicted positions are n + 1 tokens
-                        seq = loader.sequences[int(loader.item_seq[seg.item])]
-                        a = int(loader.item_start[seg.item]) + seg.start
-                        docs.append({"input_ids": seq[a : a + len(seg) + 1][:max_len]})
-                batch = pad_batch(docs, self.pad_id)
-                real, _ = token_counts(batch)
-                out = self.model(**{k: v.to(self.device) for k, v in batch.items()})
-                total += float(out.loss.double()) * real
-                tokens += real
-        self.model.train(was_training)
-        return total / tokens if tokens else math.nan
 
     def info(self) -> dict[str, Any]:
         return {

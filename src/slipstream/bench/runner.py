@@ -464,13 +464,12 @@ def run_bench(
         except PeerUnavailable as why:
             skipped[peer] = str(why)
 
-    built = contenders + noise
+    everyone = contenders + noise
     try:
         device = getattr(contenders[0], "device", torch.device("cpu"))
         warm: dict[str, float] = {}
         # dynamo's graph counter is process-wide, so each contender's recompiles are the graphs built
         # while it alone was running, after its first step.
-        everyone = contenders + noise
         recompiles: dict[str, int] = {c.name: 0 for c in everyone}
         capped: set[str] = set()
         failed: set[str] = set()
@@ -634,5 +633,5 @@ def run_bench(
             wall_s=time.perf_counter() - t_start,
         )
     finally:
-        for c in built:
+        for c in everyone:
             c.close()  # threads and processes a contender started end with the benchmark

@@ -30,6 +30,10 @@ KERNEL_OPS: tuple[str, ...] = (
 # swapped: the others would run torch's own op under another name, a change with nothing to gain.
 CPU_WINS = frozenset({"linear_cross_entropy"})
 
+# Hugging Face's Llama-family RMSNorms: weight * (x * rsqrt(mean(x^2) + eps)) in fp32, what ours
+# computes. Gemma's (1 + weight) form is deliberately absent: the kernel would compute another function.
+HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "OlmoRMSNorm"})
+
 
 @dataclass
 class KernelSwapReport:
@@ -56,7 +60,16 @@ def _own_state(module: nn.Module) -> bool:
 # op -> (matches(module), build(module, backend))
 _RULES: dict[str, tuple[Callable[[nn.Module], bool], Callable[[nn.Module, str], nn.Module]]] = {
     "layer_norm": (lambda m: type(m) is nn.LayerNorm, knn.LayerNorm.adopt),
-    "rms_norm": (lambda m: type(m) is nn.RMSNorm, knn.RMSNorm.adopt),
+    "rms_norm": (
+        lambda m: type(m) is nn.RMSNorm or type(m).__name__ in HF_RMS_NORMS,
+        lambda m, b: (
+            knn.RMSNorm.adopt(m, b)
+            if isinstance(m, nn.RMSNorm)
+            else knn.RMSNorm.adopt(
+                m, b, normalized_shape=tuple(m.weight.shape), eps=m.variance_epsilon, elementwise_affine=True
+            )
+        ),
+    ),
     "gelu_tanh": (lambda m: type(m) is nn.GELU and m.approximate == "tanh", knn.GeluTanh.adopt),
     "cross_entropy": (
         lambda m: type(m) is nn.CrossEntropyLoss and m.weight is None and m.label_smoothing == 0.0,
@@ -75,7 +88,7 @@ _RULES: dict[str, tuple[Callable[[nn.Module], bool], Callable[[nn.Module, str], 
 
 _WHAT = {
     "layer_norm": "nn.LayerNorm",
-    "rms_norm": "nn.RMSNorm",
+    "rms_norm": "nn.RMSNorm (or a Llama-family RMSNorm)",
     "gelu_tanh": "nn.GELU(approximate='tanh')",
     "cross_entropy": "nn.CrossEntropyLoss (without class weights or label smoothing)",
     "swiglu": "module marked slipstream_kernel='swiglu' (without parameters)",
@@ -106,6 +119,22 @@ def parse_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ops))
 
 
+def active_ops(
+    ops: str | Sequence[str], backend: str, device: torch.device | str, report: KernelSwapReport
+) -> list[str]:
+    """The ops of ``ops`` to swap on ``backend``: under ``auto`` on the torch backend only those with
+    a CPU win (the others are recorded in ``report.skipped``); named ops always."""
+    active = []
+    for op in parse_ops(ops):
+        if ops == "auto" and backend == "torch" and op not in CPU_WINS:
+            report.skipped[op] = (
+                f"no gain on the torch backend ({torch.device(device).type}): kept torch's module"
+            )
+        else:
+            active.append(op)
+    return active
+
+
 def apply_kernels(
     model: nn.Module,
     ops: str | Sequence[str],
@@ -118,19 +147,11 @@ def apply_kernels(
     elsewhere, where only the ops with a CPU win (``CPU_WINS``) are swapped. Naming ops explicitly
     swaps them on any device. Calling twice is harmless (kernel modules are not matched again).
     """
-    wanted = parse_ops(ops)
-    if not wanted:
+    if not parse_ops(ops):
         return KernelSwapReport(backend="torch")
     chosen = resolve_backend(backend, device)
     report = KernelSwapReport(backend=chosen)
-    active = []
-    for op in wanted:
-        if ops == "auto" and chosen == "torch" and op not in CPU_WINS:
-            report.skipped[op] = (
-                f"no gain on the torch backend ({torch.device(device).type}): kept torch's module"
-            )
-        else:
-            active.append(op)
+    active = active_ops(ops, chosen, device, report)
 
     replaced: dict[int, tuple[str, nn.Module]] = {}  # id(old) -> (op, new): shared modules stay shared
     for parent in list(model.modules()):

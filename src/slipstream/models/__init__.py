@@ -7,10 +7,10 @@ from .convention import (
     SHIFTED,
     UNSHIFTED,
     BatchConvention,
-    accepts,
     detect_convention,
     is_hf_model,
     loss_of,
+    takes_keyword,
     unwrap,
 )
 
@@ -20,9 +20,9 @@ __all__ = [
     "SHIFTED",
     "UNSHIFTED",
     "BatchConvention",
-    "accepts",
     "detect_convention",
     "is_hf_model",
     "loss_of",
+    "takes_keyword",
     "unwrap",
 ]

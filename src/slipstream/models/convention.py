@@ -85,9 +85,10 @@ def _forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
         return {}
 
 
-def accepts(model: nn.Module, name: str) -> bool:
-    """Whether forward takes `name` by name (a **kwargs catch-all does not count: it may drop it)."""
-    return name in _forward_params(model)
+def takes_keyword(model: nn.Module, name: str) -> bool:
+    """Whether forward can be called with `name=` (by name or through **kwargs; unknown: True)."""
+    params = _forward_params(model)
+    return not params or name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def detect_convention(model: nn.Module, declared: str | None = None) -> tuple[BatchConvention, str]:

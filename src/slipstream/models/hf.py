@@ -6,8 +6,8 @@ Everything here changes the one instance the user handed over (no class is patch
   transformers honours packed `position_ids` only when there is no cache, and a training forward
   builds one by default (`config.use_cache=True`): packed documents would then attend to each other.
 - `apply_hf_kernels`: the fused linear cross-entropy over the LM head (the [tokens, vocab] logits
-  are never built), Llama-style RMSNorm and SwiGLU MLPs, plus the generic swaps of
-  `kernels.apply_kernels` (nn.LayerNorm in GPT-2). The fused head is checked against the model's
+  are never built) and Llama-style SwiGLU MLPs, plus the module swaps of `kernels.apply_kernels`
+  (nn.LayerNorm in GPT-2, Llama-family RMSNorms). The fused head is checked against the model's
   own loss on a small batch before it is kept: a model whose head does more than a linear layer
   (logit soft-capping, scaling) keeps its own forward, with the reason in the report.
 """
@@ -22,9 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
-# Llama-family RMSNorms: weight * (x * rsqrt(mean(x^2) + eps)), computed in fp32. Gemma's (1 + weight)
-# form is deliberately absent: the fused kernel would compute another function.
-_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "OlmoRMSNorm"})
 _SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 _FUSED_HEAD_CHECK_TOL = 1e-4
 
@@ -102,22 +99,6 @@ def _fused_head_problem(model: nn.Module, backend: str) -> str | None:
     return None
 
 
-def _swap_rms_norms(model: nn.Module, backend: str) -> int:
-    from ..kernels import nn as knn
-
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent._modules.items()):
-            if child is None or type(child).__name__ not in _RMS_NORMS:
-                continue
-            new = knn.RMSNorm(child.weight.shape, eps=child.variance_epsilon, device="meta")
-            new.weight = child.weight  # the same Parameter: optimizer and state_dict keys unaffected
-            new.backend = backend
-            parent._modules[name] = new
-            count += 1
-    return count
-
-
 def _swap_swiglu_mlps(model: nn.Module, backend: str) -> int:
     from ..kernels import swiglu
 
@@ -134,39 +115,28 @@ def _swap_swiglu_mlps(model: nn.Module, backend: str) -> int:
 
 def apply_hf_kernels(model: nn.Module, ops: str | Sequence[str], device: torch.device):
     """Fused kernels on a Hugging Face causal LM instance; returns a kernels.KernelSwapReport."""
-    from ..kernels import CPU_WINS, KernelSwapReport, apply_kernels, parse_ops, resolve_backend
+    from ..kernels import apply_kernels, resolve_backend
+    from ..kernels.swap import KernelSwapReport, active_ops
 
     prepare_forward(model)
-    wanted = parse_ops(ops)
     backend = resolve_backend("auto", device)
     report = KernelSwapReport(backend=backend)
-
-    def active(op: str) -> bool:
-        if op not in wanted:
-            return False
-        if ops == "auto" and backend == "torch" and op not in CPU_WINS:
-            report.skipped[op] = f"no gain on the torch backend ({device.type}): kept the model's module"
-            return False
-        return True
-
-    # The generic pass covers torch modules the model uses as-is (nn.LayerNorm in GPT-2).
-    generic = [op for op in ("layer_norm", "gelu_tanh") if active(op)]
-    if generic:
-        done = apply_kernels(model, generic, device)
+    active = active_ops(ops, backend, device, report)
+    # Modules swapped by type (nn.LayerNorm in GPT-2, Llama-family RMSNorms) go through the shared
+    # swap; the LM head and the MLP are code inside the model's forward, changed on this instance.
+    by_module = [op for op in active if op not in ("linear_cross_entropy", "swiglu")]
+    if by_module:
+        done = apply_kernels(model, by_module, device)
         report.swapped.update(done.swapped)
         report.skipped.update(done.skipped)
-    if active("linear_cross_entropy"):
+    if "linear_cross_entropy" in active:
         problem = _fused_head_problem(model, backend)
         if problem is None:
             model._slipstream_fused_head = backend  # type: ignore[attr-defined]
             report.swapped["linear_cross_entropy"] = 1
         else:
             report.skipped["linear_cross_entropy"] = problem
-    if active("rms_norm"):
-        n = _swap_rms_norms(model, backend)
-        if n:
-            report.swapped["rms_norm"] = n
-    if active("swiglu"):
+    if "swiglu" in active:
         n = _swap_swiglu_mlps(model, backend)
         if n:
             report.swapped["swiglu"] = n

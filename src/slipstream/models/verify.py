@@ -18,14 +18,14 @@ from torch import nn
 
 from ..shapes.loader import IGNORE_INDEX, collate
 from ..shapes.policy import BatchPlan, Segment
-from .convention import BatchConvention, _forward_params, loss_of, unwrap
+from .convention import BatchConvention, loss_of, takes_keyword, unwrap
 
 PACKING_TOLERANCE = 1e-4
 """Relative gap allowed between a document's loss packed and alone (fp32, eval mode)."""
 _DOC_TOKENS = (24, 13, 31)
 
 
-def _sample_documents(sequences: Sequence, vocab_size: int | None) -> list[np.ndarray]:
+def _sample_documents(sequences: Sequence) -> list[np.ndarray]:
     """Up to three documents of the user's data (shortened), or random ids when the data are too short."""
     docs = []
     for i in range(min(len(sequences), 200)):
@@ -35,8 +35,7 @@ def _sample_documents(sequences: Sequence, vocab_size: int | None) -> list[np.nd
             if len(docs) == len(_DOC_TOKENS):
                 return docs
     rng = np.random.default_rng(0)
-    high = min(vocab_size or 256, 256)
-    return [rng.integers(0, high, n) for n in _DOC_TOKENS]
+    return [rng.integers(0, 256, n) for n in _DOC_TOKENS]
 
 
 def packing_problem(
@@ -44,15 +43,12 @@ def packing_problem(
     convention: BatchConvention,
     device: torch.device,
     sequences: Sequence = (),
-    vocab_size: int | None = None,
 ) -> str | None:
     """None when every document's loss packed equals its loss alone, else what differed."""
     model = unwrap(model)
-    params = _forward_params(model)
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if params and convention.packing not in params and not takes_any:
+    if not takes_keyword(model, convention.packing):
         return f"{type(model).__name__}.forward takes no {convention.packing}"
-    docs = _sample_documents(sequences, vocab_size)
+    docs = _sample_documents(sequences)
     cols = [len(d) - 1 + convention.extra_column for d in docs]
     seq_ids = np.arange(len(docs))
     starts = np.zeros(len(docs), dtype=np.int64)

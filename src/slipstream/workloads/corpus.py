@@ -190,20 +190,26 @@ def build_corpus(out_dir: Path, max_files: int = DEFAULT_MAX_FILES) -> None:
         tokens[a] = BOS_ID
         tokens[a + 1 : a + 1 + len(d)] = np.frombuffer(d, dtype=np.uint8)
         tokens[a + 1 + len(d)] = EOS_ID
+    meta = {"python": sys.version, "stdlib": str(root), "files": len(files), "format": CORPUS_FORMAT}
+    write_token_cache(out_dir, tokens, offsets, np.array(is_val, dtype=np.bool_), meta)
+
+
+_TOKEN_FILES = {"uint16": "tokens.u16", "int32": "tokens.i32"}
+
+
+def write_token_cache(
+    out_dir: Path, tokens: np.ndarray, offsets: np.ndarray, is_val: np.ndarray, meta: dict
+) -> None:
+    """Documents (tokens[offsets[i]:offsets[i+1]]) and their split, memory-mappable, with `meta`:
+    written to a temp dir beside `out_dir`, then renamed, so a cache is never half-built."""
+    dtype = np.dtype(tokens.dtype).name
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     try:
-        tokens.tofile(tmp / "tokens.u16")
+        tokens.tofile(tmp / _TOKEN_FILES[dtype])
         offsets.tofile(tmp / "offsets.i64")
-        np.array(is_val, dtype=np.bool_).tofile(tmp / "is_val.bool")
-        meta = {
-            "python": sys.version,
-            "stdlib": str(root),
-            "files": len(files),
-            "documents": len(docs),
-            "tokens": int(offsets[-1]),
-            "format": CORPUS_FORMAT,
-        }
+        is_val.astype(np.bool_).tofile(tmp / "is_val.bool")
+        meta = {**meta, "documents": len(offsets) - 1, "tokens": int(offsets[-1]), "dtype": dtype}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -213,27 +219,33 @@ def build_corpus(out_dir: Path, max_files: int = DEFAULT_MAX_FILES) -> None:
         raise
 
 
+def read_token_cache(out_dir: Path, name: str) -> tuple[TokenCorpus, TokenCorpus, dict]:
+    """(train, validation, meta) of a cache written by write_token_cache; a damaged one raises
+    CorpusError naming the folder to delete."""
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text())
+        dtype = meta.get("dtype", "uint16")
+        tokens = np.memmap(out_dir / _TOKEN_FILES[dtype], dtype=np.dtype(dtype), mode="r")
+        offsets = np.fromfile(out_dir / "offsets.i64", dtype=np.int64)
+        is_val = np.fromfile(out_dir / "is_val.bool", dtype=np.bool_)
+        if len(tokens) != meta["tokens"] or len(is_val) != meta["documents"]:
+            raise CorpusError("size mismatch")
+        whole = TokenCorpus(tokens, offsets, name)
+    except (OSError, ValueError, KeyError, CorpusError) as err:
+        raise CorpusError(
+            f"token cache at {out_dir} is damaged ({err}); delete that folder to rebuild it"
+        ) from err
+    idx = np.arange(len(whole))
+    return whole.subset(idx[~is_val], f"{name}/train"), whole.subset(idx[is_val], f"{name}/validation"), meta
+
+
 def load_stdlib_corpus(cache_dir: Path | None = None, max_files: int = DEFAULT_MAX_FILES) -> StdlibCorpus:
     """Build on first use, then memory-map. Rebuilds when the Python version or format changes."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     out = cache / "corpus" / _cache_key(max_files)
     if not (out / "meta.json").exists():
         build_corpus(out, max_files)
-    try:
-        meta = json.loads((out / "meta.json").read_text())
-        tokens = np.memmap(out / "tokens.u16", dtype=np.uint16, mode="r")
-        offsets = np.fromfile(out / "offsets.i64", dtype=np.int64)
-        is_val = np.fromfile(out / "is_val.bool", dtype=np.bool_)
-        if len(tokens) != meta["tokens"] or len(is_val) != meta["documents"]:
-            raise CorpusError("size mismatch")
-        whole = TokenCorpus(tokens, offsets, "stdlib")
-    except (OSError, ValueError, KeyError, CorpusError) as err:
-        raise CorpusError(
-            f"corpus cache at {out} is damaged ({err}); delete that folder to rebuild it"
-        ) from err
-    idx = np.arange(len(whole))
-    train = whole.subset(idx[~is_val], "stdlib/train")
-    validation = whole.subset(idx[is_val], "stdlib/validation")
+    train, validation, meta = read_token_cache(out, "stdlib")
     return StdlibCorpus(train=train, validation=validation, path=out, files=int(meta["files"]))
 
 

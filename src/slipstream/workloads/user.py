@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import inspect
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from functools import cached_property
@@ -54,6 +55,10 @@ class UserSpec:
     def slug(self) -> str:
         """A short file-name-safe label (the name holds paths)."""
         return "user-" + hashlib.sha1(self.name.encode()).hexdigest()[:8]
+
+    def flags(self) -> list[str]:
+        """The command-line flags that select this workload, quoted for a shell."""
+        return [f"--{k.replace('_', '-')} {shlex.quote(v)}" for k, v in self._items()]
 
     def _items(self) -> list[tuple[str, str]]:
         items = [(k, getattr(self, k)) for k in _KEYS[:3] if getattr(self, k) is not None]

@@ -20,8 +20,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from ..recipe import RecipeError
 from . import corpus
 from .corpus import CorpusError, TokenCorpus
 
-USER_FORMAT = 1
+USER_FORMAT = 2  # 2: tokens.u16 / tokens.i32 (the built-in corpus's writer)
 _PARAGRAPH = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more blank (or whitespace-only) lines
 _HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 
@@ -278,24 +276,8 @@ def load_user_corpus(
     out = cache / "user" / cache_key(path, tokenizer, text_field)
     if not (out / "meta.json").exists():
         _build(out, read_documents(path, text_field), tokenizer, path)
-    try:
-        meta = json.loads((out / "meta.json").read_text())
-        tokens = np.memmap(out / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r")
-        offsets = np.fromfile(out / "offsets.i64", dtype=np.int64)
-        is_val = np.fromfile(out / "is_val.bool", dtype=np.bool_)
-        if len(tokens) != meta["tokens"] or len(is_val) != meta["documents"]:
-            raise CorpusError("size mismatch")
-        whole = TokenCorpus(tokens, offsets, path.name)
-    except (OSError, ValueError, KeyError, CorpusError) as err:
-        raise CorpusError(
-            f"token cache at {out} is damaged ({err}); delete that folder to rebuild it"
-        ) from err
-    idx = np.arange(len(whole))
-    return UserCorpus(
-        train=whole.subset(idx[~is_val], f"{path.name}/train"),
-        validation=whole.subset(idx[is_val], f"{path.name}/validation"),
-        path=out,
-    )
+    train, validation, _ = corpus.read_token_cache(out, path.name)
+    return UserCorpus(train=train, validation=validation, path=out)
 
 
 def split_validation(texts: Sequence[str]) -> np.ndarray:
@@ -327,25 +309,10 @@ def _build(out: Path, docs: Documents, tokenizer: ByteTokenizer | HFTokenizer, p
     lengths = np.array([len(p) for p in parts], dtype=np.int64)
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        np.concatenate(parts).astype(dtype, copy=False).tofile(tmp / "tokens.bin")
-        offsets.tofile(tmp / "offsets.i64")
-        is_val.tofile(tmp / "is_val.bool")
-        meta = {
-            "data": str(path.resolve()),
-            "kind": docs.kind,
-            "tokenizer": tokenizer.fingerprint,
-            "documents": len(parts),
-            "tokens": int(offsets[-1]),
-            "dtype": np.dtype(dtype).name,
-            "format": USER_FORMAT,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    meta = {
+        "data": str(path.resolve()),
+        "kind": docs.kind,
+        "tokenizer": tokenizer.fingerprint,
+        "format": USER_FORMAT,
+    }
+    corpus.write_token_cache(out, np.concatenate(parts).astype(dtype, copy=False), offsets, is_val, meta)
