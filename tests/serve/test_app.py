@@ -5,9 +5,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from slipstream.serve.app import create_app
-from slipstream.serve.engine import EngineConfig, ScoreEngine, score_reference
-from slipstream.serve.generate import Generator, GeneratorConfig, generate_reference
+from slipstream.serve.engine import EngineConfig, ScoreEngine
+from slipstream.serve.generate import Generator, GeneratorConfig
 from slipstream.serve.model import encode_text
+
+from .oracles import generate_reference, score_reference
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,9 @@ import time
 import numpy as np
 import pytest
 
-from slipstream.serve.engine import EngineConfig, ScoreEngine, ServeError, score_reference
+from slipstream.serve.engine import EngineConfig, ScoreEngine, ServeError
+
+from .oracles import score_reference
 
 
 def _engine(tiny, **kw):

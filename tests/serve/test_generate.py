@@ -4,20 +4,24 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.serve.generate import Decoder, Generator, GeneratorConfig, generate_reference, sample
+from slipstream.serve.generate import Decoder, Generator, GeneratorConfig, sample
+
+from .oracles import generate_reference
 
 
 def test_prefill_and_decode_logits_equal_the_full_forward(tiny):
+    """One decode path: the GPT's own forward over the slot cache, prefilled together (rows of
+    different lengths in one padded forward, written to slots out of order)."""
     model = tiny.model
-    dec = Decoder(model, slots=3)
+    dec = Decoder(tiny, slots=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 258, n).tolist() for n in (5, 17, 1)]
     seqs = [list(p) for p in prompts]
     with torch.inference_mode():
-        for slot, p in enumerate(prompts):
-            got = dec.prefill(slot, p)
-            ref = model(torch.tensor([p]))[0, -1]
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        got = dec.prefill([2, 0, 1], [prompts[2], prompts[0], prompts[1]])
+        for row, slot in enumerate([2, 0, 1]):
+            ref = model(torch.tensor([prompts[slot]]))[0, -1]
+            torch.testing.assert_close(got[row], ref, atol=1e-4, rtol=1e-4)
         for _ in range(6):  # all slots advance together, each at its own position
             nxt = [int(rng.integers(0, 258)) for _ in seqs]
             positions = torch.tensor([len(s) for s in seqs])

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from ..recipe import RecipeError
-from ..workloads.corpus import PAD_ID
 from .batching import ShapePlan, ewma, partition, plan_shapes
 from .compiled import compile_for_serving
 from .metrics import ServeMetrics
@@ -457,7 +456,7 @@ class ScoreEngine:
 
     def _forward(self, rows: list[np.ndarray], b: int, L: int) -> list[np.ndarray]:
         """Negative log-likelihood of tokens 1..n-1 of each row, padded into one (b, L) forward."""
-        x = torch.full((b, L), PAD_ID, dtype=torch.long)
+        x = torch.full((b, L), self.loaded.pad_id, dtype=torch.long)
         labels = torch.full((b, L), IGNORE_INDEX, dtype=torch.long)
         for i, row in enumerate(rows):
             t = torch.from_numpy(np.ascontiguousarray(row))
@@ -465,7 +464,7 @@ class ScoreEngine:
             labels[i, : len(row) - 1] = t[1:]
         x, labels = x.to(self.device), labels.to(self.device)
         with torch.inference_mode(), _autocast(self.device, self.config.dtype):
-            nll = self._model(x, labels=labels, reduction="none")
+            nll = self.loaded.token_nll(self._model, x, labels)
         nll = nll.float().cpu().numpy()
         return [nll[i, : len(row) - 1] for i, row in enumerate(rows)]
 
@@ -477,12 +476,3 @@ def _score_result(nll: np.ndarray, token_logprobs: bool) -> dict:
     if token_logprobs:
         out["token_logprobs"] = (-nll).astype(float).tolist()
     return out
-
-
-def score_reference(loaded: LoadedModel, tokens: list[int]) -> dict:
-    """One sequence alone, unpadded, through model(input_ids) -> logits (tests compare against it)."""
-    x = torch.as_tensor([tokens], dtype=torch.long, device=next(loaded.model.parameters()).device)
-    with torch.inference_mode():
-        logits = loaded.model(x).float()
-    logp = torch.log_softmax(logits[0, :-1], dim=-1).gather(1, x[0, 1:, None])[:, 0]
-    return _score_result((-logp).cpu().numpy(), True)

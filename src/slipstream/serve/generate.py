@@ -1,22 +1,25 @@
-"""Generation for the built-in GPT: prefill + decode over a static KV cache, continuous batching.
+"""Generation: prefill + decode over a preallocated slot cache, with continuous batching.
 
-The GPT's own forward recomputes the whole prefix; here its parameters are reused (wte, wpe,
-blocks[i].ln_1 / attn.qkv / attn.proj / ln_2 / mlp, ln_f, lm_head) with a preallocated cache
-`[layers, slots, heads, max_len, head_dim]`, one slot per running sequence:
+One decode path for every model: the model's *own* forward runs with a `kv.SlotCache` (one row
+per running sequence, `[slots, kv_heads, max_len, head_dim]` per layer) and a 4-D mask — the
+built-in GPT and any Hugging Face causal LM alike (`LoadedModel.cached_logits`):
 
-- `prefill(slot, prompt)`: one forward over the prompt (padded to a multiple of 64 so prompts share
-  a few shapes; the padding's keys land beyond the prompt and are masked until overwritten);
+- `prefill(slots, prompts)`: the prompts admitted together run as one right-padded forward (length
+  rounded up to a multiple of 16 on CPU, 64 on CUDA, so prompts share a few shapes), capped at
+  `max_prefill_tokens` per forward; each row's keys land in its slot, and only each row's last
+  position goes through the LM head;
 - `decode_one_token(tokens, positions)`: every slot advances one token in one [slots, 1] forward
   whose attention reads the cache up to a bucketed key length (multiples of 128) with a mask per
-  slot; inactive slots ride along (a static shape), their results ignored.
+  slot; inactive slots ride along (a static shape), their results ignored. With `compile` this
+  step is `torch.compile`d, one graph per key-length bucket, all compiled at warm-up.
 
 Continuous (iteration-level) batching: between two decode steps, finished sequences leave and
 waiting ones are prefilled into the free slots. Static batching (for comparison): a batch is
 admitted only when every slot is free, and runs until its longest sequence ends.
 
-Sampling (greedy, temperature, top-k) runs on the device for the whole batch with Gumbel noise
-from a counter-based hash of (seed, step, token id), so a request's tokens depend only on its own
-seed and prompt — not on which other requests shared its batch — and no per-request host sync
+Sampling (greedy, temperature, top-k, top-p) runs on the device for the whole batch with Gumbel
+noise from a counter-based hash of (seed, step, token id), so a request's tokens depend only on its
+own seed and prompt — not on which other requests shared its batch — and no per-request host sync
 is needed. One host copy per decode step (the batch's new tokens) feeds streaming and stop checks.
 """
 
@@ -33,16 +36,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..workloads.corpus import EOS_ID, PAD_ID
 from .batching import ewma
 from .engine import ServeError
+from .kv import SlotCache, decode_mask, prefill_mask
 from .metrics import ServeMetrics
 from .model import LoadedModel
 
-PREFILL_MULTIPLE = 64
 KEY_MULTIPLE = 128
 
 
@@ -63,13 +64,8 @@ class GeneratorConfig:
     shed_wait_s: float | None = None
     """Refuse (503) a request whose predicted wait for a slot exceeds this; None = its own
     deadline only (a request predicted to miss its deadline is refused at once, not left to 504)."""
-
-
-class KVCache:
-    def __init__(self, n_layers: int, slots: int, n_heads: int, max_len: int, head_dim: int, device, dtype):
-        shape = (n_layers, slots, n_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+    max_prefill_tokens: int = 4096
+    """Padded prompt tokens per prefill forward at most (prompts admitted together share one)."""
 
 
 def _round_up(n: int, m: int, cap: int) -> int:
@@ -77,65 +73,57 @@ def _round_up(n: int, m: int, cap: int) -> int:
 
 
 class Decoder:
-    """Prefill and one-token decode over a static KV cache, reusing a GPT's modules."""
+    """Prefill and one-token decode through the model's own forward over a SlotCache."""
 
-    def __init__(self, model, slots: int, dtype: torch.dtype = torch.float32, compile: bool = False):
-        cfg = model.config
-        self.model = model
-        self.n_heads = cfg.n_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
-        self.max_len = cfg.max_len
-        self.device = next(model.parameters()).device
-        self.cache = KVCache(cfg.n_layers, slots, cfg.n_heads, cfg.max_len, self.head_dim, self.device, dtype)
-        self._decode = torch.compile(self._decode_impl, dynamic=False) if compile else self._decode_impl
-
-    def _split_heads(self, t: Tensor) -> Tensor:  # [B, T, C] -> [B, H, T, hd]
-        B, T, _ = t.shape
-        return t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+    def __init__(
+        self, loaded: LoadedModel, slots: int, dtype: torch.dtype = torch.float32, compile: bool = False
+    ):
+        kv = loaded.kv
+        self.loaded = loaded
+        self.slots = slots
+        self.max_len = loaded.max_len
+        self.device = next(loaded.model.parameters()).device
+        self.cache = SlotCache(
+            kv.n_layers, slots, kv.kv_heads, loaded.max_len, kv.head_dim, self.device, dtype
+        )
+        self.prefill_multiple = 64 if self.device.type == "cuda" else 16
+        if compile:
+            # On CUDA, inductor records a CUDA graph per compiled shape (one per key bucket).
+            options = {"triton.cudagraphs": True} if self.device.type == "cuda" else {}
+            self._decode = torch.compile(self._decode_impl, dynamic=False, options=options)
+        else:
+            self._decode = self._decode_impl
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt: list[int]) -> Tensor:
-        """Fill the slot's cache with the prompt; logits [vocab] of the token after it."""
-        n = len(prompt)
-        P = _round_up(n, PREFILL_MULTIPLE, self.max_len)
-        ids = torch.full((1, P), PAD_ID, dtype=torch.long, device=self.device)
-        ids[0, :n] = torch.as_tensor(prompt, dtype=torch.long)
-        m = self.model
-        x = m.wte(ids) + m.wpe(torch.arange(P, device=self.device))[None]
-        for i, block in enumerate(m.blocks):
-            h = block.ln_1(x)
-            q, k, v = (self._split_heads(t) for t in block.attn.qkv(h).split(h.shape[-1], dim=2))
-            self.cache.k[i, slot, :, :P] = k[0]
-            self.cache.v[i, slot, :, :P] = v[0]
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + block.attn.proj(y.transpose(1, 2).reshape(1, P, -1))
-            x = x + block.mlp(block.ln_2(x))
-        return m.lm_head(m.ln_f(x[0, n - 1]))
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> Tensor:
+        """Fill each slot's cache with its prompt; logits [n, vocab] of the token after each."""
+        n = len(prompts)
+        P = _round_up(max(len(p) for p in prompts), self.prefill_multiple, self.max_len)
+        ids = torch.full((n, P), self.loaded.pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        self.cache.for_prefill(torch.as_tensor(slots, device=self.device), P)
+        positions = torch.arange(P, device=self.device).expand(n, P)
+        last = torch.as_tensor([len(p) - 1 for p in prompts], device=self.device)
+        mask = prefill_mask(n, P, self.device)
+        return self.loaded.cached_logits(self.loaded.model, ids, positions, self.cache, mask, last)
 
     def _decode_impl(self, tokens: Tensor, positions: Tensor, key_len: int) -> Tensor:
-        m = self.model
-        S = tokens.shape[0]
-        slots = torch.arange(S, device=self.device)
-        x = (m.wte(tokens) + m.wpe(positions))[:, None]  # [S, 1, C]
-        visible = torch.arange(key_len, device=self.device)[None, :] <= positions[:, None]
-        mask = visible[:, None, None, :]  # [S, 1, 1, key_len]
-        for i, block in enumerate(m.blocks):
-            h = block.ln_1(x)
-            q, k, v = (self._split_heads(t) for t in block.attn.qkv(h).split(h.shape[-1], dim=2))
-            self.cache.k[i, slots, :, positions] = k[:, :, 0].to(self.cache.k.dtype)
-            self.cache.v[i, slots, :, positions] = v[:, :, 0].to(self.cache.v.dtype)
-            K = self.cache.k[i, :, :, :key_len]
-            V = self.cache.v[i, :, :, :key_len]
-            y = F.scaled_dot_product_attention(q, K.to(q.dtype), V.to(q.dtype), attn_mask=mask)
-            x = x + block.attn.proj(y.transpose(1, 2).reshape(S, 1, -1))
-            x = x + block.mlp(block.ln_2(x))
-        return m.lm_head(m.ln_f(x[:, 0]))
+        self.cache.for_decode(positions, key_len)
+        mask = decode_mask(positions, key_len)
+        logits = self.loaded.cached_logits(
+            self.loaded.model, tokens[:, None], positions[:, None], self.cache, mask, None
+        )
+        return logits[:, -1]
 
     @torch.inference_mode()
     def decode_one_token(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens, positions: [slots]; logits [slots, vocab] of each slot's next token."""
-        key_len = _round_up(int(positions.max()) + 1, KEY_MULTIPLE, self.max_len)
-        return self._decode(tokens, positions, key_len)
+        return self._decode(tokens, positions, self.key_len_for(int(positions.max()) + 1))
+
+    def key_len_for(self, n: int) -> int:
+        return _round_up(n, KEY_MULTIPLE, self.max_len)
 
 
 def _hash_uniform(seed: Tensor, step: Tensor, vocab: int) -> Tensor:
@@ -150,35 +138,68 @@ def _hash_uniform(seed: Tensor, step: Tensor, vocab: int) -> Tensor:
     return ((x.double() + 0.5) / 2**32).float().clamp(1e-7, 1 - 1e-7)
 
 
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seed: Tensor, step: Tensor) -> Tensor:
-    """Next token per row: greedy where temperature == 0, else Gumbel-max over the top-k logits."""
+def sample(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    seed: Tensor,
+    step: Tensor,
+    top_p: Tensor | None = None,
+) -> Tensor:
+    """Next token per row: greedy where temperature == 0, else Gumbel-max over the logits left
+    by top-k (0 = all) and then top-p (the smallest set of most likely tokens whose probability
+    reaches top_p; 1 = all)."""
     logits = logits.float()
     greedy = logits.argmax(-1)
     scaled = logits / temperature.clamp(min=1e-6)[:, None]
     V = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
-    kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    ordered = scaled.sort(dim=-1, descending=True).values
+    kth = ordered.gather(1, (k - 1)[:, None])
     scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p is not None:
+        probs = scaled.softmax(-1)
+        sp = probs.sort(dim=-1, descending=True).values
+        keep = (sp.cumsum(-1) - sp) < top_p[:, None]  # the most likely token is always kept
+        floor = sp.masked_fill(~keep, 2.0).amin(-1, keepdim=True)
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     gumbel = -torch.log(-torch.log(_hash_uniform(seed, step, V)))
     sampled = (scaled + gumbel).argmax(-1)
     return torch.where(temperature > 0, sampled, greedy)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float
+    """log p(token) under the model's distribution (before temperature, top-k, top-p)."""
+    top: tuple[tuple[int, float], ...]
+    """The most likely tokens at this step and their log-probabilities."""
+
+
 class TokenStream:
-    """Async iterator over one request's generated tokens; `finish_reason` is set at the end."""
+    """Async iterator over one request's generated tokens; `finish_reason` is set at the end.
+
+    When log-probabilities were asked for, `logprobs[i]` describes the i-th token yielded."""
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[int | None] = asyncio.Queue()
         self.finish_reason: str | None = None
         self.error: ServeError | None = None
         self.cancelled = False
+        self.logprobs: list[TokenLogprob] = []
 
-    def put(self, token: int) -> None:
+    def put(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self._queue.put_nowait(token)
 
     def close(self, reason: str, error: ServeError | None = None) -> None:
         self.finish_reason, self.error = reason, error
         self._queue.put_nowait(None)
+
+    def cancel(self) -> None:
+        """Stop generating (a stop string matched, or the client left): the slot frees at the next step."""
+        self.cancelled = True
 
     def __aiter__(self):
         return self
@@ -202,8 +223,12 @@ class _Seq:
     max_new_tokens: int
     temperature: float
     top_k: int
+    top_p: float
     seed: int
-    stop_at_eos: bool
+    eos: frozenset[int]
+    """Tokens that end the sequence (empty: run to max_new_tokens)."""
+    logprobs: int | None
+    """Top log-probabilities to return per token (0: only the chosen token's); None: none."""
     deadline: float
     stream: TokenStream
     admitted: float
@@ -218,8 +243,12 @@ class GeneratorStats:
     steps: int = 0
     tokens: int = 0
     prefills: int = 0
+    prefill_batches: int = 0
     ttft_s: list[float] = field(default_factory=list)
     finished: int = 0
+
+
+MAX_TOP_LOGPROBS = 20
 
 
 class Generator:
@@ -236,7 +265,7 @@ class Generator:
         self.config = config or GeneratorConfig()
         self.metrics = metrics or ServeMetrics()
         dtype = torch.bfloat16 if self.config.dtype == "bf16" else torch.float32
-        self.decoder = Decoder(loaded.model, self.config.slots, dtype, self.config.compile)
+        self.decoder = Decoder(loaded, self.config.slots, dtype, self.config.compile)
         self.device = self.decoder.device
         self.stats = GeneratorStats()
         self.ready = False
@@ -247,7 +276,7 @@ class Generator:
         self._slots: list[_Seq | None] = [None] * self.config.slots
         self._task: asyncio.Task | None = None
         self._step_s: float | None = None  # EWMA seconds of one decode step (measured)
-        self._prefill_s: float | None = None  # EWMA seconds of one prefill (measured)
+        self._prefill_s: float | None = None  # EWMA seconds of one prompt's prefill (measured)
 
     def _autocast(self):
         if self.config.dtype == "bf16":
@@ -257,16 +286,18 @@ class Generator:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """Every prefill length bucket once and every key-length bucket of the decode step once."""
+        """A prefill, and the decode step once per key-length bucket when compiled (each bucket is
+        its own graph: all are compiled here, before the server says ready), else once."""
+        dec = self.decoder
         with self._lock, self._autocast():
-            for P in range(PREFILL_MULTIPLE, self.decoder.max_len + 1, PREFILL_MULTIPLE):
-                self.decoder.prefill(0, [1] * P)
+            dec.prefill([0], [[self.loaded.pad_id] * min(16, dec.max_len)])
             S = self.config.slots
-            for key_len in range(KEY_MULTIPLE, self.decoder.max_len + KEY_MULTIPLE, KEY_MULTIPLE):
-                pos = torch.full(
-                    (S,), min(key_len, self.decoder.max_len) - 1, dtype=torch.long, device=self.device
-                )
-                self.decoder.decode_one_token(torch.ones(S, dtype=torch.long, device=self.device), pos)
+            last = dec.max_len if self.config.compile else 1
+            for key_len in sorted(
+                {dec.key_len_for(n) for n in range(1, last + 1, KEY_MULTIPLE)} | {dec.key_len_for(last)}
+            ):
+                pos = torch.full((S,), key_len - 1, dtype=torch.long, device=self.device)
+                dec.decode_one_token(torch.full((S,), self.loaded.pad_id, device=self.device), pos)
 
     async def start(self, warmup: bool = True) -> None:
         if warmup:
@@ -291,6 +322,10 @@ class Generator:
     def _active(self) -> int:
         return sum(s is not None for s in self._slots)
 
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending or ())
+
     def predicted_wait_s(self) -> float:
         """Seconds until a request submitted now would get a slot and its first token.
 
@@ -311,6 +346,21 @@ class Generator:
             heapq.heappush(free_at, heapq.heappop(free_at) + seq.max_new_tokens)
         return free_at[0] * self._step_s + (len(waiting) + 1) * prefill
 
+    def refusal(self) -> ServeError | None:
+        """The 503 any generation request would get now (starting, draining, queue full)."""
+        if self._pending is None or self.draining:
+            return ServeError(
+                503, "generation is not accepting requests (starting or draining); retry shortly", 1.0
+            )
+        if len(self._pending) >= self.config.max_queue:
+            self.metrics.rejections.labels("generate_queue_full").inc()
+            return ServeError(
+                503,
+                f"generation queue full ({self.config.max_queue}); retry later",
+                max(1.0, self.predicted_wait_s()),
+            )
+        return None
+
     # -- admission -------------------------------------------------------------------------------
 
     async def submit(
@@ -320,14 +370,15 @@ class Generator:
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_k: int | None = None,
+        top_p: float = 1.0,
         seed: int = 0,
         stop_at_eos: bool = True,
         timeout_s: float | None = None,
+        logprobs: int | None = None,
     ) -> TokenStream:
-        if self._pending is None or self.draining:
-            raise ServeError(
-                503, "generation is not accepting requests (starting or draining); retry shortly", 1.0
-            )
+        refused = self.refusal()
+        if refused is not None:
+            raise refused
         n = len(prompt)
         if n < 1:
             raise ServeError(422, "the prompt needs at least one token")
@@ -338,22 +389,28 @@ class Generator:
                 413,
                 f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds the model's max_len {self.decoder.max_len}",
             )
-        now = time.monotonic()
+        if not (0 < top_p <= 1):
+            raise ServeError(422, "top_p must lie in (0, 1]")
+        if logprobs is not None and not (0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise ServeError(422, f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}]")
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
-        stream = TokenStream()
-        seq = _Seq(
-            list(prompt),
-            max_new_tokens,
-            temperature,
-            top_k or 0,
-            seed,
-            stop_at_eos,
-            now + timeout,
-            stream,
-            now,
-        )
         if not (timeout > 0):
             raise ServeError(422, "timeout_s must be a positive number of seconds")
+        now = time.monotonic()
+        stream = TokenStream()
+        seq = _Seq(
+            prompt=list(prompt),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k or 0,
+            top_p=top_p,
+            seed=seed,
+            eos=frozenset(self.loaded.codec.eos_ids) if stop_at_eos else frozenset(),
+            logprobs=logprobs,
+            deadline=now + timeout,
+            stream=stream,
+            admitted=now,
+        )
         wait = self.predicted_wait_s()
         budget = timeout if self.config.shed_wait_s is None else min(timeout, self.config.shed_wait_s)
         if wait > budget:
@@ -362,11 +419,6 @@ class Generator:
                 503,
                 f"overloaded: predicted wait for a slot {wait:.2f}s exceeds the budget {budget:.2f}s",
                 max(1.0, wait),
-            )
-        if len(self._pending) >= self.config.max_queue:
-            self.metrics.rejections.labels("generate_queue_full").inc()
-            raise ServeError(
-                503, f"generation queue full ({self.config.max_queue}); retry later", max(1.0, wait)
             )
         self._pending.append(seq)
         return stream
@@ -391,42 +443,75 @@ class Generator:
             out.append((free.pop(0), seq))
         return out
 
-    def _prefill(self, slot: int, seq: _Seq) -> Tensor:
-        with self._lock, self._autocast():
-            return self.decoder.prefill(slot, seq.prompt)
+    def _prefill_groups(self, admitted: list[tuple[int, _Seq]]) -> list[list[tuple[int, _Seq]]]:
+        """Admitted prompts cut into prefill forwards of at most max_prefill_tokens padded tokens."""
+        groups: list[list[tuple[int, _Seq]]] = []
+        dec = self.decoder
+        for item in sorted(admitted, key=lambda a: len(a[1].prompt)):  # similar lengths pad less
+            if groups:
+                longest = _round_up(len(item[1].prompt), dec.prefill_multiple, dec.max_len)
+                if (len(groups[-1]) + 1) * longest <= self.config.max_prefill_tokens:
+                    groups[-1].append(item)
+                    continue
+            groups.append([item])
+        return groups
 
-    def _step(self, tokens: Tensor, positions: Tensor, temps, topks, seeds, steps) -> list[int]:
+    def _prefill(self, group: list[tuple[int, _Seq]]) -> tuple[list[int], list[TokenLogprob | None]]:
+        with self._lock, self._autocast():
+            logits = self.decoder.prefill([slot for slot, _ in group], [seq.prompt for _, seq in group])
+            return self._choose(logits, [seq for _, seq in group], [0] * len(group))
+
+    def _choose(self, logits: Tensor, seqs: list[_Seq | None], steps: list[int]):
+        """Sample each row's next token (on the device), then one host copy."""
+        rows = len(seqs)
+
+        def col(attr, dtype, default):
+            vals = [default if s is None else getattr(s, attr) for s in seqs]
+            return torch.tensor(vals, dtype=dtype, device=self.device)
+
+        nxt = sample(
+            logits,
+            col("temperature", torch.float32, 0.0),
+            col("top_k", torch.long, 0),
+            col("seed", torch.long, 0),
+            torch.tensor(steps, dtype=torch.long, device=self.device),
+            col("top_p", torch.float32, 1.0) if any(s is not None and s.top_p < 1 for s in seqs) else None,
+        )
+        want = [s is not None and s.logprobs is not None for s in seqs]
+        if not any(want):
+            return nxt.tolist(), [None] * rows
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        k = max((s.logprobs for s, w in zip(seqs, want) if w), default=0)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        info = [
+            TokenLogprob(chosen[r], tuple(zip(top_i[r][: seqs[r].logprobs], top_v[r][: seqs[r].logprobs])))
+            if want[r]
+            else None
+            for r in range(rows)
+        ]
+        return nxt.tolist(), info
+
+    def _step(self, tokens: Tensor, positions: Tensor, seqs: list[_Seq | None]):
         with self._lock, self._autocast():
             logits = self.decoder.decode_one_token(tokens, positions)
-            nxt = sample(logits, temps, topks, seeds, steps)
-        return nxt.tolist()  # the one host sync per step: streaming and stop checks need the tokens
+            return self._choose(logits, seqs, [0 if s is None else s.generated for s in seqs])
 
-    def _sample_one(self, logits: Tensor, seq: _Seq) -> int:
-        t = torch.tensor([seq.temperature], device=self.device)
-        return int(
-            sample(
-                logits[None],
-                t,
-                torch.tensor([seq.top_k], device=self.device),
-                torch.tensor([seq.seed], device=self.device),
-                torch.tensor([0], device=self.device),
-            )[0]
-        )
-
-    def _emit(self, slot: int, seq: _Seq, token: int) -> None:
+    def _emit(self, slot: int, seq: _Seq, token: int, logprob: TokenLogprob | None) -> None:
         if seq.first_token_s is None:
             seq.first_token_s = time.monotonic() - seq.admitted
             self.stats.ttft_s.append(seq.first_token_s)
-        seq.stream.put(token)
+        seq.stream.put(token, logprob)
         seq.generated += 1
         seq.last_token = token
         self.stats.tokens += 1
         self.metrics.generated_tokens.inc()
         reason = None
-        if seq.generated >= seq.max_new_tokens:
-            reason = "length"
-        elif seq.stop_at_eos and token == EOS_ID:
+        if token in seq.eos:
             reason = "eos"
+        elif seq.generated >= seq.max_new_tokens:
+            reason = "length"
         elif seq.position + 1 >= self.decoder.max_len:
             reason = "max_len"
         if reason or seq.stream.cancelled:
@@ -438,39 +523,41 @@ class Generator:
         loop = asyncio.get_running_loop()
         S = self.config.slots
         while True:
-            for slot, seq in self._admit_now():
+            for group in self._prefill_groups(self._admit_now()):
                 try:
                     t0 = time.perf_counter()
-                    logits = await loop.run_in_executor(self._executor, self._prefill, slot, seq)
-                    self._prefill_s = ewma(self._prefill_s, time.perf_counter() - t0)
-                    token = self._sample_one(logits, seq)
-                except Exception as err:  # a failing prefill fails only its own request
-                    seq.stream.close("error", ServeError(500, f"prefill failed: {type(err).__name__}: {err}"))
+                    tokens, info = await loop.run_in_executor(self._executor, self._prefill, group)
+                    self._prefill_s = ewma(self._prefill_s, (time.perf_counter() - t0) / len(group))
+                except Exception as err:  # a failing prefill fails only its own requests
+                    for _, seq in group:
+                        seq.stream.close(
+                            "error", ServeError(500, f"prefill failed: {type(err).__name__}: {err}")
+                        )
                     continue
-                self.stats.prefills += 1
-                self._slots[slot] = seq
-                seq.position = len(seq.prompt)  # where the first generated token goes
-                self._emit(slot, seq, token)
+                self.stats.prefills += len(group)
+                self.stats.prefill_batches += 1
+                for (slot, seq), token, lp in zip(group, tokens, info):
+                    self._slots[slot] = seq
+                    seq.position = len(seq.prompt)  # where the first generated token goes
+                    self._emit(slot, seq, token, lp)
             active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
             if not active:
                 if not self._pending:
                     await asyncio.sleep(0.002)  # idle: poll for arrivals (bounded latency, no busy loop)
                 continue
-            tokens = torch.full((S,), PAD_ID, dtype=torch.long)
+            tokens = torch.full((S,), self.loaded.pad_id, dtype=torch.long)
             positions = torch.zeros(S, dtype=torch.long)
-            temps, topks, seeds, steps = (
-                torch.zeros(S),
-                torch.zeros(S, dtype=torch.long),
-                torch.zeros(S, dtype=torch.long),
-                torch.zeros(S, dtype=torch.long),
-            )
             for i, s in active:
-                tokens[i], positions[i], temps[i] = s.last_token, s.position, s.temperature
-                topks[i], seeds[i], steps[i] = s.top_k, s.seed, s.generated
-            args = (t.to(self.device) for t in (tokens, positions, temps, topks, seeds, steps))
+                tokens[i], positions[i] = s.last_token, s.position
             try:
                 t0 = time.perf_counter()
-                nxt = await loop.run_in_executor(self._executor, self._step, *args)
+                nxt, info = await loop.run_in_executor(
+                    self._executor,
+                    self._step,
+                    tokens.to(self.device),
+                    positions.to(self.device),
+                    list(self._slots),
+                )
                 self._step_s = ewma(self._step_s, time.perf_counter() - t0)
             except Exception as err:
                 for i, s in active:
@@ -481,14 +568,4 @@ class Generator:
             self.metrics.decode_batch.observe(len(active))
             for i, s in active:
                 s.position += 1
-                self._emit(i, s, nxt[i])
-
-
-def generate_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding by re-running model(input_ids) on the whole prefix each step (tests)."""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            logits = model(torch.as_tensor([ids], device=next(model.parameters()).device))
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+                self._emit(i, s, nxt[i], info[i])

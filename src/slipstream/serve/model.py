@@ -1,32 +1,106 @@
-"""Loading a model for serving, and the byte tokenizer of the built-in corpus.
+"""Loading a model for serving: the built-in GPT, or a Hugging Face causal LM from a local folder.
 
 Weights load safely: `.safetensors` through safetensors, anything else through
 `torch.load(weights_only=True)` as a slipstream training checkpoint (`{"model", "identity"}`).
+A Hugging Face folder (`save_pretrained`: config, safetensors weights, tokenizer) loads through
+`AutoModelForCausalLM.from_pretrained(local_files_only=True, use_safetensors=True)`: nothing is
+downloaded and no pickle is unpickled.
+
+`LoadedModel` hides what differs between the two families from the engines: how a forward reads
+a key/value cache (`cached_logits`), how per-token losses are computed (`token_nll`), and the
+tokenizer (`codec`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from ..recipe import RecipeError
 from ..workloads.corpus import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID
+from .text import ByteCodec, HFCodec
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    n_layers: int
+    kv_heads: int
+    head_dim: int
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     model: nn.Module
-    """The model in eval mode on its device; forward(input_ids, labels=, reduction=) as GPT."""
+    """The model in eval mode on its device."""
     workload: str
     size: str
     max_len: int
-    """Longest sequence the model embeds (from its position table)."""
+    """Longest sequence served (the model's position table, or less with --max-len)."""
     vocab_size: int
     source: str
     """Where the weights came from: a path, or 'random-init'."""
+    family: Literal["gpt", "hf"] = "gpt"
+    codec: ByteCodec | HFCodec = field(default_factory=ByteCodec)
+    name: str = "slipstream-gpt"
+    """The model id clients name in OpenAI requests (/v1/models)."""
+
+    @property
+    def kv(self) -> KVLayout:
+        if self.family == "gpt":
+            cfg = self.model.config
+            return KVLayout(cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads)
+        cfg = self.model.config.get_text_config()
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return KVLayout(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim)
+
+    @property
+    def pad_id(self) -> int:
+        return self.codec.pad_id
+
+    def cached_logits(self, model, ids: Tensor, positions: Tensor, cache, mask: Tensor, last: Tensor | None):
+        """Logits of a forward that reads and writes `cache` (a `kv.SlotCache`).
+
+        ids, positions: [B, T]; mask: bool [B, 1, T, keys]; `last` ([B] indices): return only
+        those positions' logits [B, V] (a prefill needs one per row), else [B, T, V].
+        `model` is `self.model` or a compiled callable of it."""
+        if self.family == "gpt":
+            if last is None:
+                return model(ids, position_ids=positions, cache=cache, attention_mask=mask)
+            h = self.model.hidden_states(ids, positions, None, cache, mask)
+            return self.model.lm_head(h[torch.arange(ids.shape[0], device=ids.device), last])
+        if self.model.config._attn_implementation == "eager":
+            from .kv import additive
+
+            mask = additive(mask, self.model.dtype)
+        kwargs = {"cache" if self._hf_cache_kw == "cache" else "past_key_values": cache}
+        if last is not None:
+            kwargs["logits_to_keep"] = last  # [B, B, V]: row i's logits at every row's index
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+        logits = out.logits
+        if last is not None:
+            rows = torch.arange(ids.shape[0], device=logits.device)
+            return logits[rows, rows]
+        return logits
+
+    @property
+    def _hf_cache_kw(self) -> str:
+        from ..models.convention import takes_keyword
+
+        return "cache" if takes_keyword(self.model, "cache") else "past_key_values"
+
+    def token_nll(self, model, x: Tensor, labels: Tensor) -> Tensor:
+        """[B, T] negative log-likelihood of labels (already shifted: labels[t] follows x[t]),
+        -100 ignored (0 there). `model` is `self.model` or a compiled callable of it."""
+        if self.family == "gpt":
+            return model(x, labels=labels, reduction="none")
+        logits = model(input_ids=x, use_cache=False).logits
+        return F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
 
 
 def _max_len_from_state(state: dict[str, torch.Tensor]) -> int | None:
@@ -100,6 +174,58 @@ def load_model(
         max_len=int(getattr(cfg, "max_len", max_len)),
         vocab_size=int(getattr(cfg, "vocab_size", 264)),
         source=source,
+    )
+
+
+def load_hf_model(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    max_len: int | None = None,
+    name: str | None = None,
+) -> LoadedModel:
+    """A Hugging Face causal LM and its tokenizer from a local `save_pretrained` folder."""
+    path = Path(folder)
+    if not (path / "config.json").exists():
+        raise RecipeError(
+            f"--model {path}: no config.json there; give a folder written by save_pretrained "
+            "(or `slipstream train --export DIR`)"
+        )
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    except ImportError as err:
+        raise RecipeError(f"--model needs transformers: pip install 'slipstream[hf]' ({err})") from err
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, use_safetensors=True, attn_implementation="sdpa"
+        )
+    except (OSError, ValueError) as err:
+        raise RecipeError(
+            f"--model {path}: transformers could not load it as a causal LM with safetensors weights: {err}"
+        ) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"--model {path}: no tokenizer saved beside the model ({err})") from err
+    model.to(device).eval()
+    try:
+        gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        gen = model.generation_config
+    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
+    cfg = model.config.get_text_config()
+    own = getattr(cfg, "max_position_embeddings", None) or max_len or 2048
+    return LoadedModel(
+        model=model,
+        workload="huggingface",
+        size=type(model).__name__,
+        max_len=min(own, max_len) if max_len else own,
+        vocab_size=int(cfg.vocab_size),
+        source=str(path),
+        family="hf",
+        codec=HFCodec(tokenizer, eos_ids, pad),
+        name=name or path.resolve().name,
     )
 
 

@@ -153,20 +153,26 @@ def document_causal_mask(document_ids: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer_idx: int = 0):
         super().__init__()
         if cfg.d_model % cfg.n_heads:
             raise ValueError(f"d_model={cfg.d_model} must be divisible by n_heads={cfg.n_heads}")
         self.n_heads = cfg.n_heads
+        self.layer_idx = layer_idx
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: Tensor, attn_mask: object | None) -> Tensor:
-        """attn_mask: None (causal), a bool [B, 1, T, T] tensor (SDPA) or a FlexAttention BlockMask."""
+    def forward(self, x: Tensor, attn_mask: object | None, cache: object | None = None) -> Tensor:
+        """attn_mask: None (causal), a bool [B, 1, T, T] tensor (SDPA) or a FlexAttention BlockMask.
+
+        cache: a key/value cache with Hugging Face's `update(k, v, layer_idx) -> (keys, values)`
+        (serving's `SlotCache`); then attn_mask is a bool [B, 1, T, keys] tensor."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         p = self.dropout if self.training else 0.0
         if attn_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
@@ -184,15 +190,15 @@ def _norm(cfg: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer_idx: int = 0):
         super().__init__()
         self.ln_1 = _norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer_idx)
         self.ln_2 = _norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, attn_mask: object | None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask)
+    def forward(self, x: Tensor, attn_mask: object | None, cache: object | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -205,7 +211,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = _norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
@@ -234,17 +240,24 @@ class GPT(nn.Module):
         return 6 * n + 12 * cfg.n_layers * cfg.d_model * seq_len
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        cache: object | None = None,
+        attention_mask: Tensor | None = None,
     ) -> Tensor:
         B, T = input_ids.shape
         if T > self.config.max_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_len {self.config.max_len}")
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        attn_mask = None if document_ids is None else self.document_mask(document_ids)
+        attn_mask = attention_mask
+        if document_ids is not None:
+            attn_mask = self.document_mask(document_ids)
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for block in self.blocks:
-            x = block(x, attn_mask)
+            x = block(x, attn_mask, cache)
         return self.ln_f(x)
 
     def document_mask(self, document_ids: Tensor) -> object:
@@ -260,14 +273,19 @@ class GPT(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
         reduction: Literal["mean", "sum", "none"] = "mean",
+        cache: object | None = None,
+        attention_mask: Tensor | None = None,
     ) -> Tensor:
         """Loss when labels are given (mean over non-ignored tokens by default), else logits.
+
+        Serving passes `cache` (keys and values of earlier positions, see `Attention`) with a bool
+        `attention_mask` [B, 1, T, keys] saying which cached keys each query sees.
 
         The mean is sum / count with the count kept on the device (mask-free, no .item()), and a
         batch without a single real token gives 0 rather than nan (an all-padding batch can occur
         at the end of a sharded epoch).
         """
-        h = self.hidden_states(input_ids, position_ids, document_ids)
+        h = self.hidden_states(input_ids, position_ids, document_ids, cache, attention_mask)
         if labels is None:
             return self.lm_head(h)
         head_reduction = "sum" if reduction == "mean" else reduction

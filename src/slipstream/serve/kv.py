@@ -1,0 +1,88 @@
+"""A preallocated key/value cache with one row (slot) per running sequence, for any model.
+
+Continuous batching needs what a Hugging Face `StaticCache` cannot give: every row of a decode
+batch writes its new key at its *own* position (sequences joined at different times). `SlotCache`
+keeps, per layer, `[slots, kv_heads, max_len, head_dim]` keys and values and speaks the one
+method the models call —
+Hugging Face attention and the built-in GPT's alike:
+
+    keys, values = cache.update(key_states, value_states, layer_idx, ...)
+
+Before each forward the caller says where the batch writes (`for_prefill` / `for_decode`); the
+model's own forward does the rest, with a 4-D bool mask (`prefill_mask`, `decode_mask`) saying
+which keys each query sees. A Hugging Face model returns a 4-D mask as it is, so no cache
+bookkeeping (`get_seq_length`, mask sizes) is ever asked of this object.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class SlotCache:
+    def __init__(
+        self,
+        n_layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.slots, self.max_len = slots, max_len
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        if device.type == "cuda":  # fixed addresses: a CUDA graph of the decode step reads them in place
+            for t in (*self.keys, *self.values):
+                torch._dynamo.mark_static_address(t)
+        self._rows: Tensor | None = None
+        self._positions: Tensor | None = None
+        self._key_len = 0
+        self._prefill = False
+
+    def for_prefill(self, rows: Tensor, length: int) -> None:
+        """The next forward is a prefill of `rows` (slot ids, [B]) from position 0 to `length`."""
+        self._rows = rows
+        self._positions = torch.arange(length, device=rows.device).expand(rows.shape[0], length)
+        self._prefill = True
+
+    def for_decode(self, positions: Tensor, key_len: int) -> None:
+        """The next forward decodes one token in every slot, slot i at `positions[i]`; attention
+        reads keys [0, key_len)."""
+        self._rows = torch.arange(self.slots, device=positions.device)
+        self._positions = positions[:, None]
+        self._key_len = key_len
+        self._prefill = False
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        """Write [B, kv_heads, T, head_dim] keys/values at each row's positions; return what the
+        attention reads: the batch's own (prefill starts at 0) or every slot up to key_len."""
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        rows, pos = self._rows[:, None], self._positions
+        k[rows, :, pos] = key_states.transpose(1, 2).to(k.dtype)
+        v[rows, :, pos] = value_states.transpose(1, 2).to(v.dtype)
+        if self._prefill:
+            return key_states, value_states
+        dtype = key_states.dtype
+        return k[:, :, : self._key_len].to(dtype), v[:, :, : self._key_len].to(dtype)
+
+
+def prefill_mask(batch: int, length: int, device: torch.device) -> Tensor:
+    """[B, 1, length, length] causal mask. Right padding needs nothing more: a real token never
+    sees the padding after it, and the padding's outputs are never read."""
+    i = torch.arange(length, device=device)
+    return (i[None, :] <= i[:, None])[None, None].expand(batch, 1, length, length)
+
+
+def decode_mask(positions: Tensor, key_len: int) -> Tensor:
+    """[S, 1, 1, key_len]: slot i sees its keys at positions <= positions[i]."""
+    keys = torch.arange(key_len, device=positions.device)
+    return (keys[None, :] <= positions[:, None])[:, None, None, :]
+
+
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as the additive float mask eager attention implementations add to scores."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
