@@ -30,18 +30,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m slipstream.serve.cli serve` on loopback, waited on until /readyz says 200."""
+def start_server(
+    *extra: str, port: int | None = None, model: str | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`python -m slipstream.serve.cli serve` on loopback, waited on until /readyz says 200.
+
+    Serves the tiny built-in GPT (max_len 64), or the Hugging Face folder `model`."""
     port = port or free_port()
+    which = ["--model", model] if model else ["--size", "tiny", "--max-len", "64"]
     cmd = [
         sys.executable,
         "-m",
         "slipstream.serve.cli",
         "serve",
-        "--size",
-        "tiny",
-        "--max-len",
-        "64",
+        *which,
         "--max-batch-size",
         "4",
         "--buckets",
@@ -84,3 +86,41 @@ def server():
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_hf(folder: Path, family: str = "llama") -> Path:
+    """A tiny Hugging Face causal LM with a locally trained tokenizer and a chat template, saved with
+    save_pretrained. A wide initialisation makes its next-token distributions peaked, so greedy
+    choices are never near-ties that float rounding could flip."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from user_helpers import train_tokenizer
+
+    train_tokenizer(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    ids = {"vocab_size": len(tok), "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+    if family == "llama":
+        cfg = LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, **ids,
+        )  # fmt: skip
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.3, **ids)
+        model = GPT2LMHeadModel(cfg)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {f: save_tiny_hf(root / f"tiny-{f}", f) for f in ("llama", "gpt2")}

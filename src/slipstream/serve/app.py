@@ -1,12 +1,15 @@
 """The HTTP app (FastAPI) over a ScoreEngine and, optionally, a Generator; and its uvicorn runner.
 
-Endpoints: POST /v1/score, POST /v1/generate (`stream: true` → server-sent events), GET /healthz
-(process alive), GET /readyz (200 only after every shape is warmed, 503 while draining),
-GET /metrics (Prometheus), and FastAPI's /docs + /openapi.json.
+Endpoints: the OpenAI-compatible POST /v1/completions, POST /v1/chat/completions and GET
+/v1/models (`openai.py`); POST /v1/score, POST /v1/generate (`stream: true` → server-sent events),
+GET /healthz (process alive), GET /readyz (200 only after every shape is warmed, 503 while
+draining), GET /metrics (Prometheus), and FastAPI's /docs + /openapi.json.
 
-Failure modes map to statuses with a JSON body `{"error": "..."}`: 413 body or sequence too large,
-422 malformed input, 503 + Retry-After when overloaded / not ready / draining, 504 when the
-deadline passed in the queue, 401 without the bearer token (when one is set).
+Failure modes map to statuses with a JSON body `{"error": "..."}` (OpenAI's
+`{"error": {"message", "type", "param", "code"}}` on the OpenAI endpoints): 413 body or sequence
+too large, 422 malformed input (400 on the OpenAI endpoints, as OpenAI answers), 503 +
+Retry-After when overloaded / not ready / draining, 504 when the deadline passed in the queue,
+401 without the bearer token (when one is set).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .engine import ScoreEngine, ServeError
-from .model import decode_tokens, encode_text
+from .openai import OPENAI_PATHS, add_openai_routes, openai_error
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
 
 
 class ScoreRequest(BaseModel):
@@ -129,33 +134,47 @@ class BodyLimit:
 
 
 class ShedEarly:
-    """ASGI middleware: under overload, refuse POST /v1/score with 503 before reading its body.
+    """ASGI middleware: under overload, refuse POST /v1/score and the generation endpoints with
+    503 before reading the body.
 
     At several times the sustainable rate most requests are refused, and parsing and validating
     each refused body (~2.5 KB of JSON) takes event-loop time from the ones admitted, time the
     engine's wait prediction cannot see. Requests with a wrong bearer token pass through (401)."""
 
-    def __init__(self, app, engine: ScoreEngine, metrics, token: str | None):
+    def __init__(self, app, engine: ScoreEngine, generator, metrics, token: str | None):
         self.app = app
         self.engine = engine
+        self.generator = generator
         self.metrics = metrics
         self.auth = None if token is None else f"Bearer {token}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] == "/v1/score" and scope["method"] == "POST":
-            err = self.engine.refusal()
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            err = None
+            if path == "/v1/score":
+                err = self.engine.refusal()
+            elif path in GENERATION_PATHS and self.generator is not None:
+                err = self.generator.refusal()
             authorized = (
                 self.auth is None or dict(scope.get("headers") or []).get(b"authorization") == self.auth
             )
             if err is not None and authorized:
-                self.metrics.requests.labels("score", "503").inc()
+                self.metrics.requests.labels(path.rsplit("/", 1)[-1], "503").inc()
                 retry = str(max(1, math.ceil(err.retry_after_s or 1)))
-                return await _send_json(send, 503, err.message, [(b"retry-after", retry.encode())])
+                return await _send_json(
+                    send, 503, err.message, [(b"retry-after", retry.encode())], openai=path in OPENAI_PATHS
+                )
         return await self.app(scope, receive, send)
 
 
-async def _send_json(send, status: int, message: str, headers: list | None = None) -> None:
-    body = json.dumps({"error": message}).encode()
+async def _send_json(
+    send, status: int, message: str, headers: list | None = None, openai: bool = False
+) -> None:
+    error = (
+        {"message": message, "type": "overloaded_error", "param": None, "code": None} if openai else message
+    )
+    body = json.dumps({"error": error}).encode()
     await send(
         {
             "type": "http.response.start",
@@ -205,7 +224,10 @@ def create_app(
     app.state.generator = generator
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     metrics = engine.metrics
-    app.add_middleware(ShedEarly, engine=engine, metrics=metrics, token=token)  # outermost: runs first
+    app.add_middleware(
+        ShedEarly, engine=engine, generator=generator, metrics=metrics, token=token
+    )  # outermost: runs first
+    codec = engine.loaded.codec
 
     async def check_token(request: Request) -> None:
         if token is not None and request.headers.get("authorization") != f"Bearer {token}":
@@ -218,6 +240,8 @@ def create_app(
             headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
         endpoint = request.url.path.rsplit("/", 1)[-1]
         metrics.requests.labels(endpoint, str(err.status)).inc()
+        if request.url.path in OPENAI_PATHS:
+            return openai_error(err.status, err.message, getattr(err, "param", None), headers)
         return JSONResponse({"error": err.message}, status_code=err.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -228,6 +252,11 @@ def create_app(
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in err.errors()
         )
         endpoint = request.url.path.rsplit("/", 1)[-1]
+        if request.url.path in OPENAI_PATHS:  # OpenAI answers a malformed body with 400
+            metrics.requests.labels(endpoint, "400").inc()
+            first = err.errors()[0].get("loc", ()) if err.errors() else ()
+            param = ".".join(str(p) for p in first if p != "body") or None
+            return openai_error(400, f"invalid request: {problems}"[:2000], param)
         metrics.requests.labels(endpoint, "422").inc()
         return JSONResponse({"error": f"invalid request: {problems}"[:2000]}, status_code=422)
 
@@ -257,7 +286,7 @@ def create_app(
     )
     async def score(body: ScoreRequest) -> dict:
         t0 = time.monotonic()
-        tokens = body.tokens if body.tokens is not None else encode_text(body.text)
+        tokens = body.tokens if body.tokens is not None else codec.encode(body.text)
         out = await engine.score(tokens, timeout_s=body.timeout_s, token_logprobs=body.token_logprobs)
         metrics.requests.labels("score", "200").inc()
         return {**out, "latency_s": time.monotonic() - t0}
@@ -267,7 +296,7 @@ def create_app(
         if generator is None:
             raise ServeError(503, "generation is off on this server; start it with --generate-slots N")
         t0 = time.monotonic()
-        prompt = body.tokens if body.tokens is not None else encode_text(body.prompt)
+        prompt = body.tokens if body.tokens is not None else codec.encode(body.prompt)
         params = dict(
             max_new_tokens=body.max_new_tokens,
             temperature=body.temperature,
@@ -283,7 +312,7 @@ def create_app(
 
             async def events():
                 async for tok in stream:
-                    yield f"data: {json.dumps({'token': tok, 'text': decode_tokens([tok])})}\n\n"
+                    yield f"data: {json.dumps({'token': tok, 'text': codec.decode([tok])})}\n\n"
                 metrics.requests.labels("generate", "200").inc()
                 yield f"data: {json.dumps({'done': True, 'finish_reason': stream.finish_reason})}\n\n"
 
@@ -297,12 +326,13 @@ def create_app(
         metrics.requests.labels("generate", "200").inc()
         return {
             "tokens": tokens,
-            "text": decode_tokens(tokens),
+            "text": codec.decode(tokens),
             "finish_reason": stream.finish_reason,
             "time_to_first_token_s": first if first is not None else 0.0,
             "latency_s": time.monotonic() - t0,
         }
 
+    add_openai_routes(app, engine.loaded, generator, metrics, check_token)
     return app
 
 

@@ -17,18 +17,25 @@ from ..recipe import write_json
 
 EXAMPLES = {
     "serve": """examples:
+  slipstream serve --model runs/a/export --port 8000      # a save_pretrained folder (HF causal LM)
+  slipstream serve --model runs/a/export --compile-decode --generate-latency-budget-ms 10000
   slipstream serve --workload gpt-stdlib --checkpoint runs/a/checkpoint.pt --port 8000
   slipstream serve --size small --dtype bf16 --max-batch-size 32 --latency-budget-ms 200
   slipstream serve --size small --compile --workers 2 --threads 1   # --quantize auto: bf16 where it pays
   slipstream serve --size small --quantize bf16 --compile          # bf16 weights whatever the probe says
   slipstream serve --checkpoint runs/a --quantize int8-dynamic --generate-slots 8
   curl -s 127.0.0.1:8000/v1/score -d '{"text": "def f(x):\\n    return x\\n"}' -H 'content-type: application/json'
+  curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
+       -d '{"model": "export", "prompt": "Copyright", "max_tokens": 32, "temperature": 0}'
 """,
     "loadtest": """examples:
   slipstream loadtest --url http://127.0.0.1:8000/v1/score --rate 50 --duration 30 --json open.json
   slipstream loadtest --concurrency 8 --duration 20
   slipstream loadtest --sweep --slo-ms 500 --start-rate 5 --json sweep.json
   slipstream loadtest --url http://127.0.0.1:8000/v1/generate --endpoint generate --stream --rate 2
+  slipstream loadtest --endpoint completions --stream --rate 4 --max-new-tokens 64 --json oa.json
+  slipstream loadtest --url http://127.0.0.1:8080/v1/chat/completions --endpoint chat --stream \\
+      --model-name my-model --prompts prompts.jsonl --sweep --slo-ms 5000 --start-rate 1
 """,
     "quantize-eval": """examples:
   slipstream quantize-eval --checkpoint runs/a/checkpoint.pt --json quant.json
@@ -70,7 +77,18 @@ def build_app_from_args(args: argparse.Namespace):
     device = resolve_device(args.device)
     if args.dtype == "bf16" and args.quantize not in ("none", "auto"):
         raise RecipeError("--dtype bf16 with --quantize: choose one (--quantize bf16 casts the weights)")
-    loaded = load_model(args.workload, args.size, args.checkpoint, device, max_len=args.max_len)
+    if args.model:
+        from .model import load_hf_model
+
+        if args.checkpoint:
+            raise RecipeError("--model and --checkpoint: give one (--model is a save_pretrained folder)")
+        loaded = load_hf_model(args.model, device, max_len=args.max_len, name=args.served_model_name)
+    else:
+        loaded = load_model(args.workload, args.size, args.checkpoint, device, max_len=args.max_len or 1024)
+        if args.served_model_name:
+            from dataclasses import replace
+
+            loaded = replace(loaded, name=args.served_model_name)
     decision = resolve_quantize(args.quantize, args.dtype, device)
     if args.quantize == "auto":
         print(
@@ -79,11 +97,12 @@ def build_app_from_args(args: argparse.Namespace):
             flush=True,
         )
     quantize_model(loaded.model, decision.choice)
-    try:
-        lengths = get_workload(args.workload).load_data().validation_lengths
-    except Exception as err:  # planning falls back to a single max_len bucket; say so
-        print(f"slipstream serve: no length histogram ({err}); planning one row length", file=sys.stderr)
-        lengths = None
+    lengths = None
+    if not args.model:
+        try:
+            lengths = get_workload(args.workload).load_data().validation_lengths
+        except Exception as err:  # planning falls back to a single max_len bucket; say so
+            print(f"slipstream serve: no length histogram ({err}); planning one row length", file=sys.stderr)
     cfg = EngineConfig(
         max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens,
@@ -110,6 +129,9 @@ def build_app_from_args(args: argparse.Namespace):
                 dtype=args.dtype,
                 compile=args.compile_decode,
                 shed_wait_s=None if args.generate_max_wait_ms is None else args.generate_max_wait_ms / 1000,
+                latency_budget_s=None
+                if args.generate_latency_budget_ms is None
+                else args.generate_latency_budget_ms / 1000,
             ),
             metrics=engine.metrics,
         )
@@ -130,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     app, engine, loaded, quantize = build_app_from_args(args)
     print(
-        f"slipstream serve: {loaded.workload}/{loaded.size} from {loaded.source}, "
+        f"slipstream serve: {loaded.workload}/{loaded.size} '{loaded.name}' from {loaded.source}, "
         f"{len(engine.plan.shapes)} shapes, lengths {list(engine.plan.lengths)}; "
         f"warming up, then http://{args.host}:{args.port} (ready at /readyz)",
         file=sys.stderr,
@@ -155,24 +177,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return rc
 
 
+LOADTEST_PATHS = {
+    "score": "/v1/score",
+    "generate": "/v1/generate",
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}
+"""`loadtest --endpoint` -> the path its default `--url` (on 127.0.0.1:8000) ends with."""
+
+
+def loadtest_payloads(args: argparse.Namespace) -> list[dict]:
+    """The request bodies `--endpoint` describes: slipstream token payloads from the gpt-stdlib
+    validation split, or OpenAI bodies over `--prompts` (default: local text paragraphs)."""
+    from . import loadgen
+
+    if args.endpoint in loadgen.OPENAI_ENDPOINTS:
+        model = args.model_name or loadgen.served_model(args.url)
+        prompts = loadgen.load_prompts(args.prompts, args.prompt_chars)
+        return loadgen.openai_payloads(prompts, args.endpoint, model, args.max_new_tokens, args.stream)
+    payloads = loadgen.validation_payloads(
+        max_tokens=args.max_tokens, endpoint=args.endpoint, max_new_tokens=args.max_new_tokens
+    )
+    return [{**p, "stream": True} for p in payloads] if args.stream else payloads
+
+
 def cmd_loadtest(args: argparse.Namespace) -> int:
     from ..recipe import RecipeError
     from . import loadgen
 
+    args.url = args.url or f"http://127.0.0.1:8000{LOADTEST_PATHS[args.endpoint]}"
     loadgen.check_loopback(args.url)
-    payloads = loadgen.validation_payloads(
-        max_tokens=args.max_tokens, endpoint=args.endpoint, max_new_tokens=args.max_new_tokens
-    )
-    if args.stream:
-        payloads = [{**p, "stream": True} for p in payloads]
     modes = sum(x is not None and x is not False for x in (args.rate, args.concurrency, args.sweep or None))
     if modes != 1:
         raise RecipeError(
             "choose exactly one of --rate R (open loop), --concurrency C (closed loop), --sweep"
         )
+    if args.endpoint in loadgen.OPENAI_ENDPOINTS and not loadgen.is_openai(args.url):
+        raise RecipeError(
+            f"--endpoint {args.endpoint} needs an OpenAI URL (.../v1/completions), not {args.url}"
+        )
+    if args.sweep and args.slo_ms is None:
+        raise RecipeError("--sweep needs --slo-ms (the p99 latency target)")
+    payloads = loadtest_payloads(args)
     if args.sweep:
-        if args.slo_ms is None:
-            raise RecipeError("--sweep needs --slo-ms (the p99 latency target)")
         res = asyncio.run(
             loadgen.sweep(
                 {"target": args.url},
@@ -181,6 +228,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                 start_rps=args.start_rate,
                 step_duration_s=args.duration,
                 seed=args.seed,
+                timeout_s=args.timeout_s,
+                progress=print,
             )
         )["target"]
         out = res.to_json()
@@ -189,13 +238,25 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         if args.rate is not None:
             res = asyncio.run(
                 loadgen.open_loop(
-                    args.url, payloads, args.rate, args.duration, seed=args.seed, stream=args.stream
+                    args.url,
+                    payloads,
+                    args.rate,
+                    args.duration,
+                    seed=args.seed,
+                    stream=args.stream,
+                    timeout_s=args.timeout_s,
                 )
             )
         else:
             res = asyncio.run(
                 loadgen.closed_loop(
-                    args.url, payloads, args.concurrency, args.duration, seed=args.seed, stream=args.stream
+                    args.url,
+                    payloads,
+                    args.concurrency,
+                    args.duration,
+                    seed=args.seed,
+                    stream=args.stream,
+                    timeout_s=args.timeout_s,
                 )
             )
         out = res.to_json()
@@ -203,7 +264,13 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         print(
             f"{res.mode}-loop: sent {res.sent}, ok {res.ok}, {res.throughput_rps:.1f} req/s, "
             f"p50 {ms(res.p50_s)}, p90 {ms(res.p90_s)}, p99 {ms(res.p99_s)}, errors {res.errors_by_status}"
-            + (f", ttft p99 {ms(res.ttft_p99_s)}" if res.ttft_p99_s is not None else "")
+            + (
+                f", ttft p50/p99 {ms(res.ttft_p50_s)}/{ms(res.ttft_p99_s)}"
+                if res.ttft_p99_s is not None
+                else ""
+            )
+            + (f", itl p50/p99 {ms(res.itl_p50_s)}/{ms(res.itl_p99_s)}" if res.itl_p99_s is not None else "")
+            + (f", {res.tokens_per_s:.1f} output tokens/s" if res.tokens_per_s else "")
         )
     write_json(args.json, out)
     return 0
@@ -274,10 +341,22 @@ def add_parser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face causal LM folder (save_pretrained: config, safetensors, tokenizer); "
+        "nothing is downloaded. Default: the built-in GPT of --workload",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients name in OpenAI requests (default: the --model folder's name, or slipstream-gpt)",
+    )
+    p.add_argument(
         "--max-len",
         type=int,
-        default=1024,
-        help="positions of a random-init model (a checkpoint sets its own)",
+        default=None,
+        help="longest sequence served: caps --model's context (smaller KV cache); positions of a "
+        "random-init GPT (default 1024; a checkpoint sets its own)",
     )
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="padded tokens per forward at most")
@@ -315,7 +394,12 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--token", default=None, help="require 'Authorization: Bearer TOKEN' (or set SLIPSTREAM_SERVE_TOKEN)"
     )
-    p.add_argument("--generate-slots", type=int, default=0, help="KV-cache slots for /v1/generate (0 = off)")
+    p.add_argument(
+        "--generate-slots",
+        type=int,
+        default=8,
+        help="KV-cache slots: sequences decoded together for the OpenAI endpoints and /v1/generate (0 = off)",
+    )
     p.add_argument(
         "--batching",
         choices=("continuous", "static"),
@@ -330,6 +414,13 @@ def add_parser(subparsers) -> None:
         "(default: only one predicted to miss its own deadline)",
     )
     p.add_argument(
+        "--generate-latency-budget-ms",
+        type=float,
+        default=None,
+        help="refuse (503) a generation whose predicted end-to-end latency (wait + its max_tokens "
+        "decode steps, at the measured step time) exceeds this (default: no limit)",
+    )
+    p.add_argument(
         "--compile-decode",
         action="store_true",
         help="torch.compile the decode step (slow first start on CPU)",
@@ -338,17 +429,49 @@ def add_parser(subparsers) -> None:
     p.set_defaults(fn=cmd_serve)
 
     p = new("loadtest", "drive a local server with open-loop Poisson, closed-loop, or SLO-sweep load")
-    p.add_argument("--url", default="http://127.0.0.1:8000/v1/score", help="loopback URL of the endpoint")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="loopback URL of the endpoint (default: http://127.0.0.1:8000 + /v1/score, /v1/generate, "
+        "/v1/completions or /v1/chat/completions, after --endpoint)",
+    )
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight")
     p.add_argument("--sweep", action="store_true", help="find the highest rate with p99 <= --slo-ms")
     p.add_argument("--slo-ms", type=float, default=None, help="p99 target for --sweep")
     p.add_argument("--start-rate", type=float, default=5.0, help="first rate of --sweep")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per run (per step in --sweep)")
-    p.add_argument("--endpoint", choices=("score", "generate"), default="score", help="payload kind")
-    p.add_argument("--stream", action="store_true", help="generate: stream and measure time to first token")
+    p.add_argument(
+        "--endpoint",
+        choices=("score", "generate", "completions", "chat"),
+        default="score",
+        help="payload kind: slipstream's score / generate, or OpenAI completions / chat completions",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="generate, completions, chat: stream (SSE) and measure time to first token and inter-token latency",
+    )
     p.add_argument("--max-tokens", type=int, default=1024, help="truncate score payloads to this many tokens")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="generate payloads: tokens to produce")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="generate, completions, chat: tokens to produce (max_tokens)",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="completions, chat: the model field (default: first id of GET /v1/models)",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="completions, chat: .txt (blank-line separated paragraphs) or .jsonl ('prompt' or 'text' per "
+        "line); default: paragraphs of /usr/share/doc/*/copyright",
+    )
+    p.add_argument("--prompt-chars", type=int, default=256, help="cut each prompt to this many characters")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="per-request timeout (counted as 'timeout')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(fn=cmd_loadtest)

@@ -66,6 +66,9 @@ class GeneratorConfig:
     deadline only (a request predicted to miss its deadline is refused at once, not left to 504)."""
     max_prefill_tokens: int = 4096
     """Padded prompt tokens per prefill forward at most (prompts admitted together share one)."""
+    latency_budget_s: float | None = None
+    """Refuse (503) a request whose predicted end-to-end latency (wait for a slot + its own
+    max_new_tokens decode steps) exceeds this; None = no such limit."""
 
 
 def _round_up(n: int, m: int, cap: int) -> int:
@@ -264,8 +267,11 @@ class Generator:
         self.loaded = loaded
         self.config = config or GeneratorConfig()
         self.metrics = metrics or ServeMetrics()
-        dtype = torch.bfloat16 if self.config.dtype == "bf16" else torch.float32
-        self.decoder = Decoder(loaded, self.config.slots, dtype, self.config.compile)
+        weights = next(loaded.model.parameters()).dtype
+        bf16 = self.config.dtype == "bf16" or weights == torch.bfloat16
+        self.decoder = Decoder(
+            loaded, self.config.slots, torch.bfloat16 if bf16 else torch.float32, self.config.compile
+        )
         self.device = self.decoder.device
         self.stats = GeneratorStats()
         self.ready = False
@@ -418,6 +424,16 @@ class Generator:
             raise ServeError(
                 503,
                 f"overloaded: predicted wait for a slot {wait:.2f}s exceeds the budget {budget:.2f}s",
+                max(1.0, wait),
+            )
+        total = wait + max_new_tokens * (self._step_s or 0.0)
+        limit = self.config.latency_budget_s
+        if limit is not None and total > limit:
+            self.metrics.rejections.labels("generate_predicted_latency").inc()
+            raise ServeError(
+                503,
+                f"overloaded: predicted latency {total:.2f}s (wait {wait:.2f}s + {max_new_tokens} tokens) "
+                f"exceeds the budget {limit:.2f}s",
                 max(1.0, wait),
             )
         self._pending.append(seq)

@@ -202,10 +202,17 @@ def load_hf_model(
         raise RecipeError(
             f"--model {path}: transformers could not load it as a causal LM with safetensors weights: {err}"
         ) from err
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((path / f).exists() for f in files):
+        # transformers would build an empty tokenizer from the config alone and serve garbage
+        raise RecipeError(
+            f"--model {path}: no tokenizer saved beside the model (none of {', '.join(files)}); "
+            "save it there with tokenizer.save_pretrained(folder)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise RecipeError(f"--model {path}: no tokenizer saved beside the model ({err})") from err
+        raise RecipeError(f"--model {path}: the tokenizer beside the model does not load ({err})") from err
     model.to(device).eval()
     try:
         gen = GenerationConfig.from_pretrained(path, local_files_only=True)

@@ -2,8 +2,9 @@
 
 Modes: "none" (fp32), "bf16" (weights cast to bfloat16), "int8-weight-only" (torchao
 Int8WeightOnlyConfig) and "int8-dynamic" (Int8DynamicActivationInt8WeightConfig: int8 activations
-quantised per token at run time). The linear layers of the transformer blocks are quantised; the
-tied embedding / LM head stays in full precision (quantising lm_head would untie it from wte).
+quantised per token at run time). Every linear layer but the LM head is quantised (the built-in GPT's
+blocks; a Hugging Face model's attention and MLP projections); the LM head stays in full precision
+(it is tied to the input embedding in many models, and quantising it would untie them).
 Quantisation changes the model in place (torchao's `quantize_`) — pass a copy to keep the original.
 """
 
@@ -24,8 +25,15 @@ QuantMode = Literal["none", "bf16", "int8-weight-only", "int8-dynamic"]
 QUANT_MODES: tuple[str, ...] = ("none", "bf16", "int8-weight-only", "int8-dynamic")
 
 
-def _block_linear(module: nn.Module, fqn: str) -> bool:
-    return isinstance(module, nn.Linear) and fqn.startswith("blocks.")
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The LM head (tied to the input embedding in GPT-2-style models): kept in full precision."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else getattr(model, "lm_head", None)
+
+
+def _body_linears(model: nn.Module):
+    head = _output_head(model)
+    return lambda module, fqn: isinstance(module, nn.Linear) and module is not head
 
 
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
@@ -47,7 +55,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
             f"--quantize {mode} needs torchao: pip install 'slipstream[quant]' ({err})"
         ) from err
     config = Int8WeightOnlyConfig() if mode == "int8-weight-only" else Int8DynamicActivationInt8WeightConfig()
-    quantize_(model, config, filter_fn=_block_linear)
+    quantize_(model, config, filter_fn=_body_linears(model))
     return model
 
 

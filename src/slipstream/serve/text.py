@@ -30,6 +30,12 @@ class ByteCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(t for t in ids if 0 <= t < BYTE_VOCAB).decode("utf-8", errors="replace")
 
+    def token_text(self, token: int) -> str:
+        """One token as text, special tokens named (for log-probability listings)."""
+        if token < BYTE_VOCAB:
+            return bytes([token]).decode("utf-8", errors="replace")
+        return {BOS_ID: "<bos>", EOS_ID: "<eos>", PAD_ID: "<pad>"}.get(token, f"<{token}>")
+
     def chat(self, messages: list[dict]) -> list[int]:
         raise RecipeError("this model has no chat template; use /v1/completions")
 
@@ -48,6 +54,10 @@ class HFCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token as text, special tokens included (for log-probability listings)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def chat(self, messages: list[dict]) -> list[int]:
         if not self.has_chat_template:
