@@ -99,6 +99,7 @@ def save_tiny_hf(folder: Path, family: str = "llama") -> Path:
     save_pretrained. A wide initialisation makes its next-token distributions peaked, so greedy
     choices are never near-ties that float rounding could flip."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     from user_helpers import train_tokenizer
 
     train_tokenizer(folder)

@@ -96,3 +96,105 @@ def test_fuzz_score_generate_and_raw_bodies_never_500(tiny):
         assert client.get("/healthz").status_code == 200  # still serving
     print(f"fuzz cases run: {CASES['n']}")
     assert CASES["n"] >= 200
+
+
+_text_or_json = st.one_of(st.text(max_size=30), _json)
+_common = {
+    "model": st.one_of(st.just("tiny-gpt2"), _json),
+    "max_tokens": st.one_of(st.integers(-3, 300), _json),
+    "temperature": st.one_of(st.floats(), _json),
+    "top_p": st.one_of(st.floats(), _json),
+    "n": st.one_of(st.integers(-1, 10), _json),
+    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=6), _json),
+    "seed": st.one_of(st.integers(-(2**40), 2**40), _json),
+    "stream": st.booleans(),
+    "stream_options": st.one_of(st.just({"include_usage": True}), _json),
+    "presence_penalty": st.one_of(st.floats(), _json),
+    "logit_bias": _json,
+    "user": _json,
+    "timeout_s": st.one_of(st.floats(), _json),
+    "ignore_eos": _json,
+}
+_completion_fields = {
+    **_common,
+    "prompt": st.one_of(_text_or_json, st.lists(st.integers(-5, 400), max_size=40)),
+    "logprobs": st.one_of(st.integers(-2, 30), _json),
+    "echo": _json,
+    "best_of": _json,
+    "suffix": _json,
+}
+_message = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]), _json)},
+    optional={"content": st.one_of(_text_or_json, st.lists(_json, max_size=3)), "name": _json},
+)
+_chat_fields = {
+    **_common,
+    "messages": st.one_of(st.lists(_message, max_size=4), _json),
+    "max_completion_tokens": st.one_of(st.integers(-3, 300), _json),
+    "logprobs": _json,
+    "top_logprobs": st.one_of(st.integers(-2, 30), _json),
+    "response_format": _json,
+    "tools": _json,
+}
+_plausible = {  # in range, so that some requests are valid and reach the generator
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "n": st.integers(1, 3),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
+    "seed": st.integers(0, 2**40),
+    "stream": st.booleans(),
+}
+_valid_completion = st.fixed_dictionaries(
+    {"model": st.just("tiny-gpt2"), "prompt": st.text(max_size=40), "max_tokens": st.integers(1, 8)},
+    optional={**_plausible, "logprobs": st.integers(0, 5)},
+)
+_valid_chat = st.fixed_dictionaries(
+    {
+        "model": st.just("tiny-gpt2"),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=30)}
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional={**_plausible, "logprobs": st.booleans()},
+)
+OPENAI_CASES = {"n": 0, "statuses": {}}
+
+
+def test_fuzz_openai_endpoints_never_500(hf_folders):
+    from slipstream.serve.model import load_hf_model
+
+    loaded = load_hf_model(hf_folders["gpt2"], max_len=96)
+    engine = ScoreEngine(loaded, EngineConfig(max_batch_size=2, n_lengths=1, latency_budget_s=30))
+    app = create_app(engine, Generator(loaded, GeneratorConfig(slots=2)), max_body_bytes=20000, warmup=False)
+    with TestClient(app) as client:
+
+        @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=st.data())
+        def bodies(path, data):
+            chat = "chat" in path
+            body = data.draw(
+                st.one_of(
+                    _bodies(_chat_fields if chat else _completion_fields),
+                    _valid_chat if chat else _valid_completion,
+                )
+            )
+            r = client.post(
+                path, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
+            )
+            OPENAI_CASES["n"] += 1
+            OPENAI_CASES["statuses"][r.status_code] = OPENAI_CASES["statuses"].get(r.status_code, 0) + 1
+            assert r.status_code < 500 or r.status_code in (503, 504), (path, body, r.text)
+            if r.status_code != 200:
+                assert set(r.json()["error"]) >= {"message", "type"}, r.text
+
+        bodies()
+        ok = client.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "the", "max_tokens": 3})
+        assert ok.status_code == 200  # still serving
+    print(f"OpenAI fuzz cases: {OPENAI_CASES['n']}, statuses {sorted(OPENAI_CASES['statuses'].items())}")
+    assert OPENAI_CASES["n"] >= 250
+    assert OPENAI_CASES["statuses"].get(200, 0) > 0  # the strategies also reach valid requests

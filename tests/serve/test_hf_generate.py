@@ -6,11 +6,11 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from user_helpers import paragraphs
 
 from slipstream.serve.engine import EngineConfig, ScoreEngine
 from slipstream.serve.generate import Generator, GeneratorConfig
 from slipstream.serve.model import load_hf_model
+from user_helpers import paragraphs
 
 from .oracles import score_reference
 
@@ -37,7 +37,11 @@ def _generate(loaded, prompts, slots, **params):
 def _reference(loaded, prompt, n):
     ids = torch.tensor([prompt])
     out = loaded.model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=loaded.pad_id
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        pad_token_id=loaded.pad_id,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -109,3 +113,20 @@ def test_a_folder_without_a_model_or_tokenizer_is_refused_with_the_fix(tmp_path,
         f.unlink()
     with pytest.raises(RecipeError, match="tokenizer"):
         load_hf_model(no_tok)
+
+
+def test_quantize_eval_measures_a_hf_folder_on_the_users_text(hf_folders, tmp_path):
+    from slipstream.serve.quantize import quantize_eval
+
+    data = tmp_path / "notes.txt"
+    data.write_text("\n\n".join(paragraphs(60, seed=5)) + "\n")
+    res = quantize_eval(
+        "", None, None, ["none", "bf16"], model_dir=str(hf_folders["llama"]), data=str(data),
+        shapes=((1, 32),), reps=1,
+    )  # fmt: skip
+    rows = {r["mode"]: r for r in res["results"]}
+    assert res["validation_docs"] > 0 and res["data"] == str(data)
+    assert rows["none"]["loss_delta_vs_fp32_nats"] == 0
+    assert rows["bf16"]["validation_loss_nats"] != rows["none"]["validation_loss_nats"]
+    assert abs(rows["bf16"]["loss_delta_vs_fp32_nats"]) < 0.1
+    assert "latency_1x32_median_s" in rows["bf16"]

@@ -16,7 +16,7 @@ def test_quantized_model_stays_close_and_the_loss_delta_is_measured(tiny, mode):
     if mode.startswith("int8"):
         assert type(q.blocks[0].attn.qkv.weight).__name__ != "Parameter"  # a torchao int8 tensor
         assert q.lm_head.weight is q.wte.weight  # the tied head stays full precision
-    base, quant = validation_loss(tiny.model, docs, 64), validation_loss(q, docs, 64)
+    base, quant = validation_loss(tiny, docs, 64), validation_loss(tiny, docs, 64, runner=q)
     assert quant != base and abs(quant - base) < 0.05
     x = torch.randint(0, 256, (2, 16))
     with torch.inference_mode():

@@ -41,6 +41,7 @@ EXAMPLES = {
   slipstream quantize-eval --checkpoint runs/a/checkpoint.pt --json quant.json
   slipstream quantize-eval --size small --modes none,bf16,int8-weight-only,int8-dynamic --docs 100
   slipstream quantize-eval --checkpoint runs/a --modes none,bf16 --compile --threads 1
+  slipstream quantize-eval --model runs/a/export --data notes.txt --modes none,bf16,int8-dynamic
 """,
 }
 
@@ -293,6 +294,8 @@ def cmd_quantize_eval(args: argparse.Namespace) -> int:
         args.size,
         args.checkpoint,
         modes,
+        model_dir=args.model,
+        data=args.data,
         n_docs=args.docs,
         reps=args.reps,
         max_len=args.max_len,
@@ -478,6 +481,13 @@ def add_parser(subparsers) -> None:
 
     p = new("quantize-eval", "validation-loss delta and latency of bf16 / int8 serving vs fp32")
     _model_args(p)
+    p.add_argument("--model", default=None, help="a local Hugging Face causal LM folder (as serve --model)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="text to measure the loss on (.txt blank-line paragraphs, .jsonl, a folder); "
+        "default: the gpt-stdlib validation split",
+    )
     p.add_argument("--modes", default="none,bf16,int8-weight-only,int8-dynamic", help="comma-separated modes")
     p.add_argument("--docs", type=int, default=200, help="validation documents")
     p.add_argument("--reps", type=int, default=5, help="interleaved latency repetitions")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..recipe import RecipeError
+from .model import LoadedModel
 
 QuantMode = Literal["none", "bf16", "int8-weight-only", "int8-dynamic"]
 QUANT_MODES: tuple[str, ...] = ("none", "bf16", "int8-weight-only", "int8-dynamic")
@@ -59,55 +60,78 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def _device(model: nn.Module | Callable, device: torch.device | None) -> torch.device:
-    return device if device is not None else next(model.parameters()).device
-
-
 @torch.inference_mode()
 def validation_loss(
-    model: nn.Module | Callable,
+    loaded: LoadedModel,
     docs: list[np.ndarray],
     max_len: int,
+    runner: Callable | None = None,
     batch_size: int = 8,
-    device: torch.device | None = None,
 ) -> float:
     """Mean next-token loss (nats) over the documents' tokens (each truncated to max_len).
 
-    `model` may be a compiled callable; then `device` says where its inputs go."""
-    device = _device(model, device)
+    `runner` is the model to run (a quantised copy, or a compiled callable); default loaded.model."""
+    runner = runner or loaded.model
+    device = next(loaded.model.parameters()).device
     total, count = 0.0, 0
     docs = sorted((d[:max_len] for d in docs if len(d) >= 2), key=len)
     for i in range(0, len(docs), batch_size):
         chunk = docs[i : i + batch_size]
         L = max(len(d) for d in chunk)
-        x = torch.full((len(chunk), L), 258, dtype=torch.long)
+        x = torch.full((len(chunk), L), loaded.pad_id, dtype=torch.long)
         y = torch.full((len(chunk), L), -100, dtype=torch.long)
         for j, d in enumerate(chunk):
             t = torch.as_tensor(d, dtype=torch.long)
             x[j, : len(d)] = t
             y[j, : len(d) - 1] = t[1:]
-        loss = model(x.to(device), labels=y.to(device), reduction="sum")
-        total += float(loss)
+        total += float(loaded.token_nll(runner, x.to(device), y.to(device)).double().sum())
         count += int((y != -100).sum())
     return total / max(count, 1)
 
 
 @torch.inference_mode()
 def forward_latency_s(
-    model: nn.Module | Callable, batch: int, length: int, reps: int = 5, device: torch.device | None = None
+    loaded: LoadedModel, batch: int, length: int, runner: Callable | None = None, reps: int = 5
 ) -> float:
     """Median seconds of one scoring forward of shape (batch, length), after one warm-up pass."""
-    device = _device(model, device)
-    x = torch.randint(0, 256, (batch, length), device=device)
-    model(x, labels=x, reduction="none")
+    runner = runner or loaded.model
+    device = next(loaded.model.parameters()).device
+    x = torch.randint(0, min(256, loaded.vocab_size), (batch, length), device=device)
+    loaded.token_nll(runner, x, x)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        model(x, labels=x, reduction="none")
+        loaded.token_nll(runner, x, x)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def evaluation_docs(loaded: LoadedModel, data: str | None, n_docs: int) -> list[np.ndarray]:
+    """Token documents to measure the loss on: `data` (a text file, .jsonl or folder, as
+    `--data` reads it) through the model's tokenizer, else the gpt-stdlib validation split
+    (as text through the model's tokenizer for a Hugging Face model)."""
+    from pathlib import Path
+
+    from ..workloads.corpus import load_stdlib_corpus
+
+    if data is not None:
+        from ..workloads.user_data import read_documents, split_validation
+
+        found = read_documents(Path(data))
+        texts = found.validation
+        if texts is None:  # the same held-out split `slipstream train --data` keeps out of training
+            texts = [t for t, held in zip(found.train, split_validation(found.train)) if held]
+        texts = texts[:n_docs]
+        return [np.asarray(loaded.codec.encode(t)) for t in texts]
+    val = load_stdlib_corpus().validation
+    docs = [np.asarray(val[i]) for i in range(min(n_docs, len(val)))]
+    if loaded.family == "gpt":
+        return docs
+    from .text import ByteCodec
+
+    return [np.asarray(loaded.codec.encode(ByteCodec().decode(d.tolist()))) for d in docs]
 
 
 def quantize_eval(
@@ -116,6 +140,8 @@ def quantize_eval(
     checkpoint: str | None,
     modes: list[str],
     *,
+    model_dir: str | None = None,
+    data: str | None = None,
     n_docs: int = 200,
     max_len: int | None = None,
     shapes: tuple[tuple[int, int], ...] = ((1, 512), (8, 512)),
@@ -124,30 +150,33 @@ def quantize_eval(
 ) -> dict:
     """Validation loss and forward latency of each mode vs fp32, interleaved per repetition.
 
+    `model_dir`: a Hugging Face folder (as `serve --model`) instead of the workload's GPT.
     With `compile`, every mode (fp32 included) runs as `slipstream serve --compile` runs it, so
     both the loss delta and the speed-up are those of the compiled server."""
     import copy
+    from dataclasses import replace
 
-    from ..workloads.corpus import load_stdlib_corpus
     from .compiled import compile_for_serving
-    from .model import load_model
+    from .model import load_hf_model, load_model
 
-    base = load_model(workload, size, checkpoint)
+    base = load_hf_model(model_dir) if model_dir else load_model(workload, size, checkpoint)
     L = min(max_len or base.max_len, base.max_len)
-    val = load_stdlib_corpus().validation
-    docs = [np.asarray(val[i]) for i in range(min(n_docs, len(val)))]
-    models = {"none": base.model}
+    docs = evaluation_docs(base, data, n_docs)
+    if not docs:
+        raise RecipeError(f"--data {data}: no documents to evaluate on")
+    models = {"none": base}
     for mode in modes:
         if mode != "none":
-            models[mode] = quantize_model(copy.deepcopy(base.model), mode)
+            models[mode] = replace(base, model=quantize_model(copy.deepcopy(base.model), mode))
     device = next(base.model.parameters()).device
-    runners = {m: compile_for_serving(model, device) if compile else model for m, model in models.items()}
-    losses = {m: validation_loss(run, docs, L, device=device) for m, run in runners.items()}
+    runners = {m: compile_for_serving(lm.model, device) if compile else lm.model for m, lm in models.items()}
+    losses = {m: validation_loss(models[m], docs, L, run) for m, run in runners.items()}
+    shapes = tuple((b, min(n, L)) for b, n in shapes)
     lat: dict[str, dict[str, list[float]]] = {m: {f"{b}x{n}": [] for b, n in shapes} for m in models}
     for _ in range(reps):  # interleaved: mode A, mode B, ..., repeated
         for m, run in runners.items():
             for b, n in shapes:
-                lat[m][f"{b}x{n}"].append(forward_latency_s(run, b, min(n, L), reps=1, device=device))
+                lat[m][f"{b}x{n}"].append(forward_latency_s(models[m], b, n, run, reps=1))
     rows = []
     for m in models:
         row = {
@@ -161,10 +190,11 @@ def quantize_eval(
             row[f"speedup_{key}_vs_fp32"] = statistics.median(lat["none"][key]) / med
         rows.append(row)
     return {
-        "workload": workload,
+        "workload": base.workload,
         "size": base.size,
         "checkpoint": base.source,
         "validation_docs": len(docs),
+        "data": data or "gpt-stdlib validation split",
         "max_len": L,
         "reps": reps,
         "compiled": compile,
