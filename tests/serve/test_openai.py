@@ -80,7 +80,10 @@ def test_completion_greedy_text_equals_generate_streaming_or_not(client, referen
 def test_chat_uses_the_tokenizers_template_streaming_or_not(client, reference):
     tok, greedy_text = reference
     messages = [{"role": "user", "content": "alpha beta"}]
-    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    ids = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     want = greedy_text(ids["input_ids"], 16)
     got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     assert got.choices[0].message.role == "assistant"
