@@ -1,6 +1,12 @@
 """Load generator: open-loop Poisson, closed-loop concurrency, and a sweep for the highest rate
 whose p99 stays under an SLO.
 
+Two protocols, told apart by the URL: slipstream's own `/v1/score` and `/v1/generate`, and the
+OpenAI API (`.../completions`, `.../chat/completions`) that any OpenAI-compatible server speaks
+(ours, `transformers serve`, vLLM, llama.cpp). For OpenAI streams (SSE) it measures time to the
+first chunk carrying text, the gaps between text chunks (inter-token latency), and output tokens
+(the final usage chunk's `completion_tokens` when the server sends one, else the text chunks).
+
 Open loop: arrival times are drawn up front (exponential gaps, seeded); each request's latency is
 measured from its *intended* send time, so a stalled server or a saturated client shows up as
 latency instead of silently lowering the offered rate (no coordinated omission). Closed loop: C
@@ -15,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from urllib.parse import urlparse
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
 
 import numpy as np
 
@@ -52,10 +60,23 @@ class LoadResult:
     p99_s: float | None
     max_s: float | None
     ttft_p50_s: float | None = None
+    """Streams: time to the first token (OpenAI: first chunk with non-empty text), from the
+    intended send time."""
     ttft_p99_s: float | None = None
     tokens_per_s: float | None = None
+    """Output (generated) tokens per second of the run."""
     late_sends: int = 0
     """Open loop: sends that started > 10 ms after their intended time (client saturated)."""
+    ttft_p90_s: float | None = None
+    itl_p50_s: float | None = None
+    """OpenAI streams: inter-token latency, the gaps between successive text chunks of one
+    answer, pooled over answers."""
+    itl_p90_s: float | None = None
+    itl_p99_s: float | None = None
+    output_tokens: int = 0
+    """Tokens generated in 200 answers (OpenAI: usage.completion_tokens, else text chunks)."""
+    retry_after: int = 0
+    """Refusals (non-200 answers) that carried a Retry-After header."""
 
     def passes(self, slo_p99_s: float, max_error_fraction: float = 0.01) -> bool:
         if self.p99_s is None or self.sent == 0:
@@ -71,10 +92,12 @@ class LoadResult:
 class _Record:
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
     tokens: int = 0
     sent: int = 0
     late: int = 0
+    retry_after: int = 0
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -84,16 +107,66 @@ def _pct(values: list[float], q: float) -> float | None:
 _JSON = {"content-type": "application/json"}
 
 
+def is_openai(url: str) -> bool:
+    """An OpenAI completions or chat-completions URL (`.../completions`)."""
+    return urlparse(url).path.rstrip("/").endswith("/completions")
+
+
+async def _read_openai(resp, origin: float, rec: _Record) -> str | None:
+    """Reads one OpenAI answer, SSE or JSON; records TTFT, inter-token gaps and output tokens of a
+    200. Returns an error label when a 200 stream carried an error event, else None."""
+    if resp.content_type != "text/event-stream":
+        data = await resp.read()
+        if resp.status == 200:
+            rec.tokens += int((json.loads(data).get("usage") or {}).get("completion_tokens") or 0)
+        return None
+    stamps: list[float] = []
+    usage, error = None, None
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        now = time.perf_counter()  # before parsing: the chunk's arrival
+        chunk = line[5:].strip()
+        if not chunk or chunk == b"[DONE]":
+            continue  # read on to the end so the connection is reused
+        obj = json.loads(chunk)
+        if obj.get("error"):
+            error = "stream-error"
+        if obj.get("usage"):
+            usage = obj["usage"].get("completion_tokens")
+        for choice in obj.get("choices") or ():
+            text = choice.get("text")
+            if text is None:
+                text = (choice.get("delta") or {}).get("content")
+            if text:
+                stamps.append(now)
+                break
+    if resp.status == 200 and error is None:
+        if stamps:
+            rec.ttfts.append(stamps[0] - origin)
+            rec.itls.extend(b - a for a, b in zip(stamps, stamps[1:]))
+        rec.tokens += int(usage) if usage is not None else len(stamps)
+    return error
+
+
 async def _send(client, url: str, body: bytes, origin: float, rec: _Record, stream: bool) -> None:
     """One request (a pre-encoded JSON body); latency (and time to first token when streaming)
     measured from `origin`."""
     import aiohttp
 
     rec.sent += 1
+    status = None
     try:
         async with client.post(url, data=body, headers=_JSON) as resp:
             status = resp.status
-            if stream:
+            if status != 200 and "Retry-After" in resp.headers:
+                rec.retry_after += 1
+            if is_openai(url):
+                error = await _read_openai(resp, origin, rec)
+                if error is not None:
+                    rec.statuses[error] += 1
+                    return
+            elif stream:
                 n, first = 0, None
                 async for line in resp.content:
                     if line.startswith(b"data:") and b'"token"' in line:
@@ -111,7 +184,11 @@ async def _send(client, url: str, body: bytes, origin: float, rec: _Record, stre
         rec.statuses["timeout"] += 1
         return
     except aiohttp.ClientError:
-        rec.statuses["connect"] += 1
+        # no answer at all, or an answer cut off after its status line
+        rec.statuses["connect" if status is None else "incomplete"] += 1
+        return
+    except ValueError:  # a body or SSE event that is not the JSON the protocol promises
+        rec.statuses["bad-response"] += 1
         return
     rec.statuses[str(status)] += 1
     if status == 200:
@@ -138,6 +215,12 @@ def _result(mode, url, rate, conc, elapsed, rec: _Record) -> LoadResult:
         ttft_p99_s=_pct(rec.ttfts, 99),
         tokens_per_s=rec.tokens / elapsed if rec.tokens and elapsed > 0 else None,
         late_sends=rec.late,
+        ttft_p90_s=_pct(rec.ttfts, 90),
+        itl_p50_s=_pct(rec.itls, 50),
+        itl_p90_s=_pct(rec.itls, 90),
+        itl_p99_s=_pct(rec.itls, 99),
+        output_tokens=rec.tokens,
+        retry_after=rec.retry_after,
     )
 
 
@@ -246,7 +329,7 @@ class SweepResult:
 
 async def sweep(
     targets: dict[str, str],
-    payloads: Sequence[dict],
+    payloads: Sequence[dict] | Mapping[str, Sequence[dict]],
     *,
     slo_p99_s: float,
     start_rps: float = 5.0,
@@ -258,6 +341,7 @@ async def sweep(
     min_rps: float = 0.05,
     seed: int = 0,
     pause_s: float = 1.0,
+    timeout_s: float = 30.0,
     progress=None,
     before_step: Callable[[str], None] | None = None,
 ) -> dict[str, SweepResult]:
@@ -268,10 +352,17 @@ async def sweep(
     own next rate, alternating the order (A B, B A, ...), so slow drift of a shared machine hits
     all targets alike. `before_step(name)` runs before each step (the serving benchmark pauses
     the idle servers there, so their background polling does not tax the one measured).
+    OpenAI targets are measured as `open_loop` does (streaming when the payloads ask for it).
+    `payloads` may be one list for every target or a list per target name (the same requests
+    but, say, each server's own `model` field).
     """
     for url in targets.values():
         check_loopback(url)
-    bodies = _encode(payloads)  # once, not per step
+    if isinstance(payloads, Mapping):
+        bodies = {name: _encode(payloads[name]) for name in targets}  # once, not per step
+    else:
+        shared = _encode(payloads)
+        bodies = {name: shared for name in targets}
     state = {
         name: {
             "lo": None,
@@ -296,7 +387,9 @@ async def sweep(
             rate = st["next"]
             if before_step is not None:
                 before_step(name)
-            res = await open_loop(targets[name], bodies, rate, step_duration_s, seed=seed + round_no)
+            res = await open_loop(
+                targets[name], bodies[name], rate, step_duration_s, seed=seed + round_no, timeout_s=timeout_s
+            )
             ok = res.passes(slo_p99_s)
             st["steps"].append({"rate_rps": rate, "passed": ok, **res.to_json()})
             if progress is not None:
@@ -356,6 +449,86 @@ def validation_payloads(
         else:
             out.append({"tokens": doc[:max_tokens].tolist()})
     return [p for p in out if len(p["tokens"]) >= 2]
+
+
+OPENAI_ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def load_prompts(path: str | Path | None = None, chars: int = 256) -> list[str]:
+    """Prompts, each cut to `chars` characters: from `path` (.txt: one prompt per blank-line
+    separated paragraph; .jsonl: one object per line with a "prompt" or "text" field), else the
+    paragraphs of the Debian copyright files under /usr/share/doc (real text, on the machine)."""
+    from ..workloads.corpus import copyright_paragraphs, paragraphs
+
+    if chars < 1:
+        raise RecipeError(f"--prompt-chars {chars}: must be >= 1")
+    if path is None:
+        texts = copyright_paragraphs()
+        where = "/usr/share/doc/*/copyright"
+    else:
+        p, where = Path(path), str(path)
+        if not p.is_file():
+            raise RecipeError(f"--prompts {where}: no such file")
+        if p.suffix == ".jsonl":
+            texts = []
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    texts.append(obj["prompt"] if "prompt" in obj else obj["text"])
+                except (ValueError, KeyError, TypeError):
+                    raise RecipeError(
+                        f'--prompts {where}:{n}: each line must be a JSON object with a "prompt" or "text" string'
+                    ) from None
+        else:
+            texts = paragraphs(p.read_text(encoding="utf-8"))
+    prompts = [t[:chars] for t in texts if isinstance(t, str) and t.strip()]
+    if not prompts:
+        raise RecipeError(f"--prompts {where}: no prompts found")
+    return prompts
+
+
+def openai_payloads(
+    prompts: Sequence[str], endpoint: str, model: str, max_tokens: int, stream: bool = False
+) -> list[dict]:
+    """OpenAI request bodies, greedy (`temperature: 0`) so every server does the same work;
+    streams ask for the final usage chunk (`stream_options.include_usage`)."""
+    if endpoint not in OPENAI_ENDPOINTS:
+        raise RecipeError(f"endpoint {endpoint!r}: choose from {', '.join(OPENAI_ENDPOINTS)}")
+    out = []
+    for text in prompts:
+        body: dict = {"model": model}
+        if endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        body.update(max_tokens=max_tokens, temperature=0, stream=stream)
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        out.append(body)
+    return out
+
+
+def models_url(url: str) -> str:
+    """`.../v1/completions` or `.../v1/chat/completions` -> `.../v1/models`."""
+    u = urlparse(url)
+    cut = u.path.rfind("/v1/")
+    if cut < 0:
+        raise RecipeError(f"--url {url!r}: expected an OpenAI path (.../v1/completions); pass --model-name")
+    return urlunparse(u._replace(path=u.path[:cut] + "/v1/models", query=""))
+
+
+def served_model(url: str, timeout_s: float = 10.0) -> str:
+    """The first model id the server lists at GET /v1/models."""
+    check_loopback(url)
+    murl = models_url(url)
+    try:
+        with urllib.request.urlopen(murl, timeout=timeout_s) as resp:
+            data = json.loads(resp.read())
+        return str(data["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise RecipeError(f"GET {murl}: no model id ({err}); pass --model-name") from None
 
 
 def dumps(obj) -> str:

@@ -15,6 +15,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -253,3 +254,21 @@ def decode(tokens: np.ndarray | list[int]) -> str:
     """Bytes back to text, dropping the special ids."""
     data = bytes(int(t) for t in tokens if int(t) < BYTE_VOCAB)
     return data.decode("utf-8", errors="replace")
+
+
+def paragraphs(text: str) -> list[str]:
+    """Blank-line separated paragraphs of `text`, stripped, empty ones dropped."""
+    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def copyright_paragraphs(root: Path = Path("/usr/share/doc")) -> list[str]:
+    """Paragraphs of the Debian copyright files under `root` (`/usr/share/doc/*/copyright`): real
+    English text on every Debian-family machine, offline, from a few words to whole licence texts.
+    Files that are not UTF-8 are skipped."""
+    texts = []
+    for path in sorted(Path(root).glob("*/copyright")):
+        try:
+            texts += paragraphs(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return texts
