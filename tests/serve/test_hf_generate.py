@@ -130,3 +130,24 @@ def test_quantize_eval_measures_a_hf_folder_on_the_users_text(hf_folders, tmp_pa
     assert rows["bf16"]["validation_loss_nats"] != rows["none"]["validation_loss_nats"]
     assert abs(rows["bf16"]["loss_delta_vs_fp32_nats"]) < 0.1
     assert "latency_1x32_median_s" in rows["bf16"]
+
+
+def test_compiled_decode_gives_the_eager_tokens(hf_folders):
+    """--compile-decode: every key bucket compiled at warm-up, then the same greedy tokens."""
+    loaded = load_hf_model(hf_folders["llama"], max_len=128)  # one key bucket: one compile
+    prompts = [loaded.codec.encode(p[:40]) for p in paragraphs(6, seed=9)]
+
+    async def main(compile):
+        gen = Generator(loaded, GeneratorConfig(slots=4, compile=compile))
+        await gen.start(warmup=True)
+
+        async def one(p):
+            stream = await gen.submit(p, max_new_tokens=20, stop_at_eos=False)
+            return [t async for t in stream]
+
+        try:
+            return await asyncio.gather(*[one(p) for p in prompts])
+        finally:
+            await gen.drain(5)
+
+    assert asyncio.run(main(True)) == asyncio.run(main(False))
