@@ -12,33 +12,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import sys
 from pathlib import Path
 
-from hf_models import VOCAB
+# The repository root, not this folder: benchmarks/kernels.py would shadow the `kernels` package
+# that transformers probes for.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from benchmarks.hf_models import VOCAB  # noqa: E402
+
+from slipstream.workloads.corpus import copyright_paragraphs as copyright_texts  # noqa: E402
 
 
-def copyright_texts(root: Path = Path("/usr/share/doc")) -> list[str]:
-    texts = []
-    for path in sorted(root.glob("*/copyright")):
-        try:
-            text = path.read_text(encoding="utf-8").strip()
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts += [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
-    return texts
-
-
-def train_tokenizer(texts: list[str], out: Path) -> None:
+def train_tokenizer(texts: list[str], out: Path, extra_specials: tuple[str, ...] = ()) -> None:
+    """`extra_specials` are added after the three fixed ones (e.g. chat markers), each one id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: what hf_models' configs name
+    specials = ["<pad>", "<s>", "</s>", *extra_specials]  # ids 0, 1, 2: what hf_models' configs name
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=list(extra_specials) or None,
+    )
     fast.save_pretrained(out)
 
 

@@ -43,7 +43,11 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
-REPO = Path(__file__).resolve().parents[1]
+# The repository root, not this folder: benchmarks/kernels.py would shadow the `kernels` package
+# that transformers probes for.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from benchmarks.serve_procs import measure_only, spawn, tree_rss  # noqa: E402
 
 
 def _score_rows(model, rows: list[list[int]], device=None) -> list[dict]:
@@ -147,13 +151,6 @@ if importlib.util.find_spec("litserve") is not None:  # an optional peer: pip in
             return output
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -166,24 +163,6 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> Non
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url}: not ready after {timeout_s} s")
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _tree_rss(pid: int) -> int:
-    """RSS of a process and its children (LitServe runs its model in a child process)."""
-    total = _rss_bytes(pid)
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        try:
-            total += _tree_rss(int(child))
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total
 
 
 def compare(args) -> int:
@@ -288,7 +267,7 @@ def compare(args) -> int:
     procs = {}
     try:
         for name in systems:
-            procs[name] = _spawn(argv[name], logs / f"{name}.log")
+            procs[name] = spawn(argv[name], logs / f"{name}.log")
         urls = {name: f"http://127.0.0.1:{ports[name]}/v1/score" for name in systems}
         for name in systems:
             _wait_ready(urls[name], procs[name])
@@ -298,10 +277,6 @@ def compare(args) -> int:
             f"{len(payloads)} payloads, median {sorted(lengths)[len(lengths) // 2]} tokens; SLO p99 <= {args.slo_ms} ms",
             flush=True,
         )
-
-        def measure_only(name: str) -> None:
-            for other, proc in procs.items():
-                os.killpg(proc.pid, signal.SIGCONT if other == name else signal.SIGSTOP)
 
         sweeps = (
             {}
@@ -317,7 +292,7 @@ def compare(args) -> int:
                     step_duration_s=args.step_s,
                     max_steps=args.max_steps,
                     progress=lambda line: print(line, flush=True),
-                    before_step=measure_only,
+                    before_step=lambda name: measure_only(procs, name),
                 )
             )
         )
@@ -366,11 +341,11 @@ def compare(args) -> int:
         )
         if args.overload_s > 0 and sustain:
             pid = procs[victim].pid
-            rss0 = _tree_rss(pid)
+            rss0 = tree_rss(pid)
             res = asyncio.run(
                 loadgen.open_loop(urls[victim], payloads, 5 * sustain, args.overload_s, seed=7, timeout_s=60)
             )
-            rss1 = _tree_rss(pid)
+            rss1 = tree_rss(pid)
             result["overload"] = {
                 "system": victim,
                 "rate_rps": 5 * sustain,
