@@ -112,8 +112,10 @@ class Decoder:
         mask = prefill_mask(n, P, self.device)
         return self.loaded.cached_logits(self.loaded.model, ids, positions, self.cache, mask, last)
 
-    def _decode_impl(self, tokens: Tensor, positions: Tensor, key_len: int) -> Tensor:
-        self.cache.for_decode(positions, key_len)
+    def _decode_impl(
+        self, tokens: Tensor, positions: Tensor, key_len: int, rows: Tensor | None = None
+    ) -> Tensor:
+        self.cache.for_decode(positions, key_len, rows)
         mask = decode_mask(positions, key_len)
         logits = self.loaded.cached_logits(
             self.loaded.model, tokens[:, None], positions[:, None], self.cache, mask, None
@@ -121,9 +123,13 @@ class Decoder:
         return logits[:, -1]
 
     @torch.inference_mode()
-    def decode_one_token(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """tokens, positions: [slots]; logits [slots, vocab] of each slot's next token."""
-        return self._decode(tokens, positions, self.key_len_for(int(positions.max()) + 1))
+    def decode_one_token(self, tokens: Tensor, positions: Tensor, rows: Tensor | None = None) -> Tensor:
+        """tokens, positions: [slots] (or [len(rows)] for the slots `rows` only: eager code gains
+        nothing from computing idle slots); logits [rows, vocab] of each one's next token."""
+        key_len = self.key_len_for(int(positions.max()) + 1)
+        if rows is None:
+            return self._decode(tokens, positions, key_len)
+        return self._decode_impl(tokens, positions, key_len, rows)
 
     def key_len_for(self, n: int) -> int:
         return _round_up(n, KEY_MULTIPLE, self.max_len)
@@ -523,13 +529,15 @@ class Generator:
         ]
         return nxt.tolist(), info
 
-    def _step(self, tokens: list[int], positions: list[int], seqs: list[_Seq | None]):
+    def _step(self, rows: list[int] | None, tokens: list[int], positions: list[int], seqs: list[_Seq | None]):
+        """One decode step over `rows` (None: every slot, the compiled static shape)."""
         # Every tensor is made here, on the compute thread: torch ops from the event-loop thread
         # would start a second OpenMP pool competing for the same cores (2x slower steps here).
         tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        at = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.device)
         with self._lock, self._autocast():
-            logits = self.decoder.decode_one_token(tokens, positions)
+            logits = self.decoder.decode_one_token(tokens, positions, at)
             return self._choose(logits, seqs, [0 if s is None else s.generated for s in seqs])
 
     def _emit(self, slot: int, seq: _Seq, token: int, logprob: TokenLogprob | None) -> None:
@@ -579,14 +587,26 @@ class Generator:
                 if not self._pending:
                     await asyncio.sleep(0.002)  # idle: poll for arrivals (bounded latency, no busy loop)
                 continue
-            tokens, positions = [self.loaded.pad_id] * S, [0] * S
-            for i, s in active:
-                tokens[i], positions[i] = s.last_token, s.position
+            if self.config.compile:  # the static [slots] shape its graphs were compiled for
+                rows, seqs = None, list(self._slots)
+                tokens, positions = [self.loaded.pad_id] * S, [0] * S
+                for i, s in active:
+                    tokens[i], positions[i] = s.last_token, s.position
+            else:  # eager: only the running slots (idle ones would be computed for nothing)
+                rows, seqs = [i for i, _ in active], [s for _, s in active]
+                tokens, positions = [s.last_token for s in seqs], [s.position for s in seqs]
             try:
                 t0 = time.perf_counter()
-                nxt, info = await loop.run_in_executor(
-                    self._executor, self._step, tokens, positions, list(self._slots)
+                out, info = await loop.run_in_executor(
+                    self._executor, self._step, rows, tokens, positions, seqs
                 )
+                if rows is not None:  # back to slot order
+                    nxt, lps = [0] * S, [None] * S
+                    for r, t, lp in zip(rows, out, info):
+                        nxt[r], lps[r] = t, lp
+                    info = lps
+                else:
+                    nxt = out
                 self._step_s = ewma(self._step_s, time.perf_counter() - t0)
             except Exception as err:
                 for i, s in active:

@@ -42,6 +42,7 @@ class SlotCache:
         if device.type == "cuda":  # fixed addresses: a CUDA graph of the decode step reads them in place
             for t in (*self.keys, *self.values):
                 torch._dynamo.mark_static_address(t)
+        self._rows: Tensor | None = None
         self._flat: Tensor | None = None  # where the next forward writes, as rows of the flat view
         self._key_len = 0
         self._prefill = False
@@ -52,10 +53,13 @@ class SlotCache:
         self._flat = (rows[:, None] * self.max_len + positions[None, :]).reshape(-1)
         self._prefill = True
 
-    def for_decode(self, positions: Tensor, key_len: int) -> None:
-        """The next forward decodes one token in every slot, slot i at `positions[i]`; attention
-        reads keys [0, key_len)."""
-        self._flat = torch.arange(self.slots, device=positions.device) * self.max_len + positions
+    def for_decode(self, positions: Tensor, key_len: int, rows: Tensor | None = None) -> None:
+        """The next forward decodes one token per row: slot rows[i] (default: every slot, in
+        order) at positions[i]; attention reads keys [0, key_len)."""
+        self._rows = rows
+        if rows is None:
+            rows = torch.arange(self.slots, device=positions.device)
+        self._flat = rows * self.max_len + positions
         self._key_len = key_len
         self._prefill = False
 
@@ -73,6 +77,8 @@ class SlotCache:
         if self._prefill:
             return key_states, value_states
         n, dtype = self._key_len, key_states.dtype
+        if self._rows is not None:  # some slots only: gather theirs
+            k, v = k.index_select(0, self._rows), v.index_select(0, self._rows)
         return k[:, :n].transpose(1, 2).to(dtype), v[:, :n].transpose(1, 2).to(dtype)
 
 
