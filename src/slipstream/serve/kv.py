@@ -77,9 +77,10 @@ class SlotCache:
         if self._prefill:
             return key_states, value_states
         n, dtype = self._key_len, key_states.dtype
-        if self._rows is not None:  # some slots only: gather theirs
+        k, v = k[:, :n], v[:, :n]
+        if self._rows is not None:  # some slots only: gather theirs (the first n positions only)
             k, v = k.index_select(0, self._rows), v.index_select(0, self._rows)
-        return k[:, :n].transpose(1, 2).to(dtype), v[:, :n].transpose(1, 2).to(dtype)
+        return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
 
 
 def prefill_mask(batch: int, length: int, device: torch.device) -> Tensor:
