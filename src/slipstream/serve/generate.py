@@ -443,7 +443,10 @@ class Generator:
             )
         total = wait + max_new_tokens * (self._step_s or 0.0)
         limit = self.config.latency_budget_s
-        if limit is not None and total > limit:
+        # Only a request that would queue is refused: with a slot free now, refusing cannot make
+        # anyone faster, and one slow measured step (x max_new_tokens) would refuse it wrongly.
+        queued = bool(self._pending) or all(s is not None for s in self._slots)
+        if limit is not None and queued and total > limit:
             self.metrics.rejections.labels("generate_predicted_latency").inc()
             raise ServeError(
                 503,
