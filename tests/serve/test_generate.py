@@ -174,3 +174,29 @@ def test_a_request_predicted_to_miss_its_deadline_is_refused_at_once(tiny):
     assert err.status == 503 and "predicted wait" in err.message and err.retry_after_s >= 1
     assert len(long_tokens) == 48 and len(roomy_tokens) == 4
     assert gen.metrics.rejections.labels("generate_predicted_wait")._value.get() == 1
+
+
+def test_latency_budget_refuses_only_requests_that_would_queue(tiny):
+    """--generate-latency-budget-ms: with the one slot busy, a request whose predicted wait plus
+    its own decode steps exceeds the budget gets 503 at once; with a slot free it is admitted
+    (refusing it could not make anyone faster)."""
+    from slipstream.serve.engine import ServeError
+
+    gen = Generator(tiny, GeneratorConfig(slots=1, latency_budget_s=0.0))
+
+    async def main():
+        await gen.start(warmup=False)
+        try:
+            first = await gen.submit([1, 2, 3], max_new_tokens=40, stop_at_eos=False)  # slot free: admitted
+            got = [await first.__anext__() for _ in range(3)]  # steps measured by now
+            with pytest.raises(ServeError) as info:
+                await gen.submit([1, 2], max_new_tokens=8)
+            rest = [t async for t in first]
+            return info.value, got + rest
+        finally:
+            await gen.drain(5)
+
+    err, tokens = asyncio.run(main())
+    assert err.status == 503 and "predicted latency" in err.message and err.retry_after_s >= 1
+    assert len(tokens) == 40
+    assert gen.metrics.rejections.labels("generate_predicted_latency")._value.get() == 1
