@@ -297,6 +297,10 @@ class Generator:
         self._slots: list[_Seq | None] = [None] * self.config.slots
         self._task: asyncio.Task | None = None
         self._step_s: float | None = None  # EWMA seconds of one decode step (measured)
+        # EWMA seconds between two decode steps' ends while sequences run: the step plus the
+        # prefills and event-loop work between steps, i.e. what a running sequence waits per token
+        self._interval_s: float | None = None
+        self._last_step_end: float | None = None
         self._prefill_s: float | None = None  # EWMA seconds of one prompt's prefill (measured)
 
     def _autocast(self):
@@ -357,6 +361,7 @@ class Generator:
         measured: nothing is refused on a guess)."""
         if self._step_s is None:
             return 0.0
+        per_token = self._per_token_s()
         free_at = [
             0 if s is None else max(0, s.max_new_tokens - s.generated) for s in self._slots
         ]  # decode steps until each slot frees
@@ -365,7 +370,11 @@ class Generator:
         waiting = self._pending or ()
         for seq in waiting:  # policy-agnostic: static batching only waits longer
             heapq.heappush(free_at, heapq.heappop(free_at) + seq.max_new_tokens)
-        return free_at[0] * self._step_s + (len(waiting) + 1) * prefill
+        return free_at[0] * per_token + (len(waiting) + 1) * prefill
+
+    def _per_token_s(self) -> float:
+        """Measured seconds per generated token of a running sequence (0 before any step)."""
+        return self._interval_s or self._step_s or 0.0
 
     def refusal(self) -> ServeError | None:
         """The 503 any generation request would get now (starting, draining, queue full)."""
@@ -441,7 +450,7 @@ class Generator:
                 f"overloaded: predicted wait for a slot {wait:.2f}s exceeds the budget {budget:.2f}s",
                 max(1.0, wait),
             )
-        total = wait + max_new_tokens * (self._step_s or 0.0)
+        total = wait + max_new_tokens * self._per_token_s()
         limit = self.config.latency_budget_s
         # Only a request that would queue is refused: with a slot free now, refusing cannot make
         # anyone faster, and one slow measured step (x max_new_tokens) would refuse it wrongly.
@@ -587,6 +596,7 @@ class Generator:
                     self._emit(slot, seq, token, lp)
             active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
             if not active:
+                self._last_step_end = None  # an idle gap is not time per token
                 if not self._pending:
                     await asyncio.sleep(0.002)  # idle: poll for arrivals (bounded latency, no busy loop)
                 continue
@@ -610,7 +620,11 @@ class Generator:
                     info = lps
                 else:
                     nxt = out
-                self._step_s = ewma(self._step_s, time.perf_counter() - t0)
+                end = time.perf_counter()
+                self._step_s = ewma(self._step_s, end - t0)
+                if self._last_step_end is not None:
+                    self._interval_s = ewma(self._interval_s, end - self._last_step_end)
+                self._last_step_end = end
             except Exception as err:
                 for i, s in active:
                     s.stream.close("error", ServeError(500, f"decode failed: {type(err).__name__}: {err}"))
