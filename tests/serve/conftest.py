@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -77,15 +78,24 @@ def start_server(
     raise RuntimeError("server did not become ready within 60 s")
 
 
+@contextlib.contextmanager
+def running_server(*extra: str, model: str | None = None):
+    """start_server for the length of a `with` block; SIGTERM (then SIGKILL) at its end."""
+    proc, url = start_server(*extra, model=model)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server("--generate-slots", "4")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_server("--generate-slots", "4") as url:
+        yield url
 
 
 CHAT_TEMPLATE = (

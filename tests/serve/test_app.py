@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 from slipstream.serve.app import create_app
 from slipstream.serve.engine import EngineConfig, ScoreEngine
 from slipstream.serve.generate import Generator, GeneratorConfig
-from slipstream.serve.model import encode_text
+from slipstream.serve.text import ByteCodec
 
 from .oracles import generate_reference, score_reference
 
@@ -45,11 +45,11 @@ def test_score_text_and_tokens_match_the_reference(client, tiny):
     text = "def f(x):\n    return x\n"
     r = client.post("/v1/score", json={"text": text, "token_logprobs": True})
     assert r.status_code == 200
-    ref = score_reference(tiny, encode_text(text))
+    ref = score_reference(tiny, ByteCodec().encode(text))
     body = r.json()
     assert body["scored_tokens"] == len(text.encode())
     np.testing.assert_allclose(body["token_logprobs"], ref["token_logprobs"], atol=2e-5)
-    r2 = client.post("/v1/score", json={"tokens": encode_text(text)})
+    r2 = client.post("/v1/score", json={"tokens": ByteCodec().encode(text)})
     assert r2.json()["loss"] == pytest.approx(ref["loss"], abs=1e-5) and "token_logprobs" not in r2.json()
 
 

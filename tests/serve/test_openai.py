@@ -2,13 +2,11 @@
 `slipstream serve --model DIR` process: completions and chat, streaming and not, greedy text equal
 to model.generate's, stop strings, n, logprobs, usage, and refusals that name the field."""
 
-import subprocess
-
 import httpx
 import pytest
 import torch
 
-from .conftest import start_server
+from .conftest import running_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
@@ -16,13 +14,8 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def hf_server(hf_folders):
-    proc, url = start_server("--generate-slots", "4", model=str(hf_folders["llama"]))
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_server("--generate-slots", "4", model=str(hf_folders["llama"])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .engine import ScoreEngine, ServeError
-from .openai import OPENAI_PATHS, add_openai_routes, openai_error
+from .openai import OPENAI_PATHS, add_openai_routes, openai_error, openai_error_body
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
 SWITCH_INTERVAL_S = 0.0005
@@ -172,10 +172,7 @@ class ShedEarly:
 async def _send_json(
     send, status: int, message: str, headers: list | None = None, openai: bool = False
 ) -> None:
-    error = (
-        {"message": message, "type": "overloaded_error", "param": None, "code": None} if openai else message
-    )
-    body = json.dumps({"error": error}).encode()
+    body = json.dumps(openai_error_body(status, message) if openai else {"error": message}).encode()
     await send(
         {
             "type": "http.response.start",
@@ -242,7 +239,7 @@ def create_app(
         endpoint = request.url.path.rsplit("/", 1)[-1]
         metrics.requests.labels(endpoint, str(err.status)).inc()
         if request.url.path in OPENAI_PATHS:
-            return openai_error(err.status, err.message, getattr(err, "param", None), headers)
+            return openai_error(err.status, err.message, err.param, headers)
         return JSONResponse({"error": err.message}, status_code=err.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)

@@ -236,30 +236,12 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         out = res.to_json()
         print(f"max rate with p99 <= {args.slo_ms} ms: {res.max_rate_rps} req/s (p99 {res.p99_at_max_s})")
     else:
+        common = {"seed": args.seed, "stream": args.stream, "timeout_s": args.timeout_s}
         if args.rate is not None:
-            res = asyncio.run(
-                loadgen.open_loop(
-                    args.url,
-                    payloads,
-                    args.rate,
-                    args.duration,
-                    seed=args.seed,
-                    stream=args.stream,
-                    timeout_s=args.timeout_s,
-                )
-            )
+            run = loadgen.open_loop(args.url, payloads, args.rate, args.duration, **common)
         else:
-            res = asyncio.run(
-                loadgen.closed_loop(
-                    args.url,
-                    payloads,
-                    args.concurrency,
-                    args.duration,
-                    seed=args.seed,
-                    stream=args.stream,
-                    timeout_s=args.timeout_s,
-                )
-            )
+            run = loadgen.closed_loop(args.url, payloads, args.concurrency, args.duration, **common)
+        res = asyncio.run(run)
         out = res.to_json()
         ms = lambda v: "-" if v is None else f"{v * 1000:.1f} ms"  # noqa: E731
         print(

@@ -81,11 +81,15 @@ class EngineConfig:
 class ServeError(Exception):
     """A request that cannot be served; carries the HTTP status and a message naming the fix."""
 
-    def __init__(self, status: int, message: str, retry_after_s: float | None = None):
+    def __init__(
+        self, status: int, message: str, retry_after_s: float | None = None, param: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s
+        self.param = param
+        """The request field at fault, when one is (OpenAI errors name it)."""
 
 
 @dataclass

@@ -134,6 +134,10 @@ class Decoder:
     def key_len_for(self, n: int) -> int:
         return _round_up(n, KEY_MULTIPLE, self.max_len)
 
+    def key_buckets(self, up_to: int) -> list[int]:
+        """Every key length a decode step over positions < up_to can attend to."""
+        return sorted({self.key_len_for(n) for n in range(1, up_to + 1)})
+
 
 def _hash_uniform(seed: Tensor, step: Tensor, vocab: int) -> Tensor:
     """Uniform(0, 1) noise [S, vocab] from (seed, step, token id) alone: batch-independent sampling."""
@@ -155,20 +159,16 @@ def sample(
     step: Tensor,
     top_p: Tensor | None = None,
     *,
-    greedy_only: bool = False,
     any_top_k: bool = True,
 ) -> Tensor:
     """Next token per row: greedy where temperature == 0, else Gumbel-max over the logits left
     by top-k (0 = all) and then top-p (the smallest set of most likely tokens whose probability
     reaches top_p; 1 = all).
 
-    `greedy_only` / `any_top_k` are what the caller knows on the host about the batch: an
-    all-greedy batch is one argmax, and no row asking for top-k skips the k-th-value search.
-    (The noise and the sort cost 8-11 ms per decode step on a 2-core CPU at 8 x 8192 logits.)"""
+    `any_top_k` is what the caller knows on the host about the batch: with no row asking for
+    top-k, the k-th-value search (a full sort) is skipped."""
     logits = logits.float()
     greedy = logits.argmax(-1)
-    if greedy_only:
-        return greedy
     scaled = logits / temperature.clamp(min=1e-6)[:, None]
     V = logits.shape[-1]
     if any_top_k:
@@ -317,10 +317,7 @@ class Generator:
         with self._lock, self._autocast():
             dec.prefill([0], [[self.loaded.pad_id] * min(16, dec.max_len)])
             S = self.config.slots
-            last = dec.max_len if self.config.compile else 1
-            for key_len in sorted(
-                {dec.key_len_for(n) for n in range(1, last + 1, KEY_MULTIPLE)} | {dec.key_len_for(last)}
-            ):
+            for key_len in dec.key_buckets(dec.max_len if self.config.compile else 1):
                 pos = torch.full((S,), key_len - 1, dtype=torch.long, device=self.device)
                 dec.decode_one_token(torch.full((S,), self.loaded.pad_id, device=self.device), pos)
 
@@ -513,18 +510,22 @@ class Generator:
             return torch.tensor(vals, dtype=dtype, device=self.device)
 
         live = [s for s in seqs if s is not None]
-        nxt = sample(
-            logits,
-            col("temperature", torch.float32, 0.0),
-            col("top_k", torch.long, 0),
-            col("seed", torch.long, 0),
-            torch.tensor(steps, dtype=torch.long, device=self.device),
-            col("top_p", torch.float32, 1.0)
-            if any(s.top_p < 1 and s.temperature > 0 for s in live)
-            else None,
-            greedy_only=all(s.temperature == 0 for s in live),
-            any_top_k=any(s.top_k > 0 and s.temperature > 0 for s in live),
-        )
+        if all(s.temperature == 0 for s in live):
+            # An all-greedy batch is one argmax: no sampling columns to build, no noise, no sort
+            # (those cost 8-11 ms per step on a 2-core CPU at 8 x 8192 logits).
+            nxt = logits.float().argmax(-1)
+        else:
+            nxt = sample(
+                logits,
+                col("temperature", torch.float32, 0.0),
+                col("top_k", torch.long, 0),
+                col("seed", torch.long, 0),
+                torch.tensor(steps, dtype=torch.long, device=self.device),
+                col("top_p", torch.float32, 1.0)
+                if any(s.top_p < 1 and s.temperature > 0 for s in live)
+                else None,
+                any_top_k=any(s.top_k > 0 and s.temperature > 0 for s in live),
+            )
         want = [s is not None and s.logprobs is not None for s in seqs]
         if not any(want):
             return nxt.tolist(), [None] * rows

@@ -14,6 +14,7 @@ tokenizer (`codec`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..recipe import RecipeError
-from ..workloads.corpus import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID
 from .text import ByteCodec, HFCodec
 
 
@@ -78,7 +78,7 @@ class LoadedModel:
             from .kv import additive
 
             mask = additive(mask, self.model.dtype)
-        kwargs = {"cache" if self._hf_cache_kw == "cache" else "past_key_values": cache}
+        kwargs = {self._hf_cache_kw: cache}
         if last is not None:
             kwargs["logits_to_keep"] = last  # [B, B, V]: row i's logits at every row's index
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
@@ -88,8 +88,10 @@ class LoadedModel:
             return logits[rows, rows]
         return logits
 
-    @property
+    @cached_property
     def _hf_cache_kw(self) -> str:
+        """transformers 5 renamed past_key_values to cache; read once (a signature walk per
+        decode step would sit on the hot path)."""
         from ..models.convention import takes_keyword
 
         return "cache" if takes_keyword(self.model, "cache") else "past_key_values"
@@ -234,17 +236,3 @@ def load_hf_model(
         codec=HFCodec(tokenizer, eos_ids, pad),
         name=name or path.resolve().name,
     )
-
-
-def encode_text(text: str, bos: bool = True) -> list[int]:
-    """UTF-8 bytes as token ids, optionally after BOS (the corpus frames documents BOS ... EOS)."""
-    ids = list(text.encode("utf-8"))
-    return [BOS_ID, *ids] if bos else ids
-
-
-def decode_tokens(tokens: list[int]) -> str:
-    """Byte tokens back to text; special ids (BOS, EOS, PAD, unused) are dropped."""
-    return bytes(t for t in tokens if 0 <= t < BYTE_VOCAB).decode("utf-8", errors="replace")
-
-
-SPECIAL_TOKENS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}

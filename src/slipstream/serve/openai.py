@@ -86,7 +86,8 @@ class ChatRequest(_Body):
     tool_choice: Any = None
 
 
-def openai_error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+def openai_error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object for a status."""
     kind = {
         400: "invalid_request_error",
         401: "authentication_error",
@@ -94,14 +95,15 @@ def openai_error(status: int, message: str, param: str | None = None, headers=No
         503: "overloaded_error",
         504: "timeout_error",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def openai_error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(openai_error_body(status, message, param), status_code=status, headers=headers)
 
 
 def _refuse(param: str, why: str) -> ServeError:
-    err = ServeError(400, f"'{param}' {why}")
-    err.param = param
-    return err
+    return ServeError(400, f"'{param}' {why}", param=param)
 
 
 def _check_supported(body: _Body) -> None:
@@ -303,11 +305,11 @@ def add_openai_routes(app: FastAPI, loaded: LoadedModel, generator: Generator | 
 
     def check_model(body: _Body) -> None:
         if body.model != loaded.name:
-            err = ServeError(
-                404, f"model '{body.model}' is not served here; this server serves '{loaded.name}'"
+            raise ServeError(
+                404,
+                f"model '{body.model}' is not served here; this server serves '{loaded.name}'",
+                param="model",
             )
-            err.param = "model"
-            raise err
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models() -> dict:
