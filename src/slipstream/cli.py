@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -114,6 +115,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .train import train
 
+    if args.nproc < 1 or args.max_restarts < 0:
+        raise RecipeError("--nproc must be >= 1 and --max-restarts >= 0")
+    if args.nproc > 1 and "RANK" not in os.environ:
+        return launch_ranks(args)
+
     recipe = resolve_recipe(args.recipe, args.set)
     result = train(
         args.workload,
@@ -128,6 +134,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         export_dir=args.export,
     )
+    if result.extra.get("rank", 0) != 0:
+        return 0  # one report per run: rank 0's
     payload = result.to_dict()
     write_json(args.json, payload)
     m = result.metrics
@@ -163,6 +171,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         print(f"wrote {args.json}")
     return 0
+
+
+def launch_ranks(args: argparse.Namespace) -> int:
+    """`train --nproc N`: the same command under torchrun, N ranks on this machine."""
+    import subprocess
+
+    argv = _strip_options(args.argv, {"--nproc", "--max-restarts"})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+        f"--max-restarts={args.max_restarts}", "-m", "slipstream", *argv,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    # N ranks on one host share its cores: without this each would start one thread per core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    print(f"slipstream train: {args.nproc} ranks under torchrun", file=sys.stderr, flush=True)
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _strip_options(argv: list[str], names: set[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif a.split("=", 1)[0] not in names:
+            out.append(a)
+    return out
 
 
 @contextlib.contextmanager
@@ -368,6 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="after training, write the model (+ tokenizer) here (docs/own-model.md)",
     )
+    g = p.add_argument_group("several processes (docs/distributed.md)")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks on this machine: runs torchrun underneath (recipe distributed.strategy: ddp, fsdp)",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc: torchrun restarts all ranks this often after a failure; they resume "
+        "from --checkpoint-dir's last checkpoint",
+    )
     p.set_defaults(fn=cmd_train)
 
     p = add("bench", "benchmark recipes and peers side by side (interleaved rounds) with a report")
@@ -468,13 +518,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
+    from .distributed.env import RankFailure
     from .workloads.corpus import CorpusError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         resolve_workload(args)
         return args.fn(args)
-    except (RecipeError, CheckpointError, CorpusError, FloatingPointError) as err:
+    except (RecipeError, CheckpointError, CorpusError, FloatingPointError, RankFailure) as err:
         print(f"slipstream {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -172,6 +172,38 @@ class DataflowConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    strategy: Literal["ddp", "fsdp", "pipeline"] = "ddp"
+    """How several processes (torchrun, `train --nproc N`) share the work: ddp (a full model per
+    rank, gradients all-reduced), fsdp (FSDP2 `fully_shard` per block: parameters, gradients and
+    optimizer state sharded) or pipeline (the model split into stages; built-in GPT only). Unused
+    in one process."""
+
+    batches_per_step: int = 0
+    """Planned batches in one optimizer step over all ranks (the global batch); 0 means one per
+    rank. Each rank accumulates batches_per_step / world_size of them (gradient sync only on the
+    last). Keep it fixed to resume on another world size with the same data order and losses."""
+
+    balance: Literal["auto", "on", "off"] = "auto"
+    """Load-balanced shards: each rank's rows per step in proportion to its measured speed (ddp).
+    auto turns it on when ranks' speeds differ by more than their step-to-step noise."""
+
+    balance_every: int = 10
+    """Steps between two speed measurements agreed by all ranks (a new split takes effect a few
+    steps later, past what the prefetcher has already prepared)."""
+
+    microbatches: int = 4
+    """pipeline: micro-batches per global batch (bubble (p-1)/(m+p-1) for p stages)."""
+
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """pipeline: the schedule (torch.distributed.pipelining)."""
+
+    timeout_s: float = 120.0
+    """Seconds a collective may wait for the other ranks before this rank exits with an error
+    (a dead or hung rank ends the run instead of hanging it)."""
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str = "custom"
     """A label for reports; presets set it to their own name."""
@@ -196,6 +228,9 @@ class Recipe:
 
     dataflow: DataflowConfig = field(default_factory=DataflowConfig)
     """Prefetching and worker pools between the data and the step."""
+
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Several processes: data parallel, sharded or pipelined, with balanced shards."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -281,6 +316,10 @@ _RANGES: dict[str, tuple[float, float | None]] = {
     "compile.cudagraph_max_shapes": (1, None),
     "dataflow.prefetch_depth": (1, None),
     "dataflow.workers": (0, None),
+    "distributed.batches_per_step": (0, None),
+    "distributed.balance_every": (1, None),
+    "distributed.microbatches": (1, None),
+    "distributed.timeout_s": (1.0, None),
 }
 
 

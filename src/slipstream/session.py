@@ -23,6 +23,7 @@ import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,12 +32,16 @@ from torch import nn
 from . import precision as _precision
 from .compile import apply_activation_checkpointing, apply_compile, apply_cudagraphs, compile_stats
 from .dataflow import PrefetchLoader, SampleLoader
+from .distributed.env import DistEnv, agree, init_process_group, local_device
 from .machine import Decision
 from .metrics import MetricsSummary, MetricsTracker
 from .models.convention import SHIFTED, BatchConvention, detect_convention, is_hf_model, loss_of
 from .precision import LossScaler, resolve_precision, resolve_precision_decision
 from .recipe import KernelsConfig, OptimizerConfig, Recipe, RecipeError
 from .shapes.loader import ShapedLoader
+
+if TYPE_CHECKING:
+    from .distributed.shards import StepShards
 
 __all__ = [
     "Session",
@@ -165,7 +170,10 @@ class Session:
                 f"'preset+section.field=value' spec, not {type(recipe).__name__} {recipe!r}"
             )
         self.recipe = recipe if recipe is not None else Recipe()
-        self.device = resolve_device(self.recipe.runtime.device)
+        self.dist = DistEnv.from_environ()
+        """This process's place among the ranks (torchrun's environment; one rank when absent)."""
+        self.device = local_device(resolve_device(self.recipe.runtime.device), self.dist)
+        init_process_group(self.dist, self.device, self.recipe.distributed.timeout_s)
         earlier = dict(decisions or {})
         if self.recipe.precision.dtype == "auto" and "precision.dtype" in earlier:
             kept = earlier["precision.dtype"]
@@ -173,7 +181,7 @@ class Session:
                 "precision.dtype", kept["choice"], f"kept from the resumed run: {kept['reason']}"
             )
         else:
-            decision = resolve_precision_decision(self.recipe.precision, self.device)
+            decision = agree(resolve_precision_decision(self.recipe.precision, self.device), self.dist)
         self.precision = decision.choice
         seed_everything(self.recipe.runtime.seed, self.recipe.runtime.deterministic)
         self.tracker = MetricsTracker(self.device, self.precision)
@@ -194,6 +202,8 @@ class Session:
         """True when the last `step` was skipped because of inf/nan gradients (fp16 only)."""
         self.schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] = {}
         self.model: nn.Module | None = None
+        self.local_model: nn.Module | None = None
+        """The prepared model before DDP wrapped it: what each rank times and checks alone."""
         self.declared_convention = convention
         self.convention: BatchConvention = SHIFTED
         """The prepared model's batch convention: what prepare_loader's batches look like."""
@@ -224,6 +234,16 @@ class Session:
         model = apply_compile(model, cfg)
         model = apply_cudagraphs(model, cfg, self.device)
         self.tracker.extra["compiled"] = cfg.mode != "off"
+        self.local_model = model
+        if self.dist.active:
+            from .distributed.wrap import apply_data_parallel
+
+            model = apply_data_parallel(
+                model, self.recipe.distributed, self.dist, self.device, self.precision
+            )
+            self.tracker.extra.update(
+                world_size=self.dist.world_size, distributed_strategy=self.recipe.distributed.strategy
+            )
         self.model = model
         return model
 
@@ -231,7 +251,7 @@ class Session:
         """The recipe's optimizer over `model`, already prepared (schedule over `total_steps`)."""
         cfg = self.recipe.optimizer
         if cfg.impl == "auto":
-            decision = self._decide_optimizer_impl(model)
+            decision = agree(self._decide_optimizer_impl(model), self.dist)
             self.record(decision)
             cfg = replace(cfg, impl=decision.choice)  # type: ignore[arg-type]
         self.tracker.extra["optimizer_impl"] = resolve_optimizer_impl(cfg, self.device)
@@ -256,14 +276,57 @@ class Session:
         max_len: int | None = None,
         *,
         pad_id: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         lengths: np.ndarray | None = None,
     ) -> ShapedLoader | PrefetchLoader:
         """Batches of `sequences` (1-D token id lists) shaped by recipe.shapes; arguments override it.
 
+        Under torchrun each rank gets its own shard (every world_size-th batch of one shared plan,
+        the same shape on every rank at each step); `rank`/`world_size` override the environment.
         With dataflow.prefetch the batches are collated on a background thread and copied to the
         device on a side stream (a PrefetchLoader that otherwise behaves as the ShapedLoader)."""
+        rank = self.dist.rank if rank is None else rank
+        world_size = self.dist.world_size if world_size is None else world_size
+        loader = self._shaped_loader(
+            sequences,
+            tokens_per_batch,
+            max_len,
+            pad_id=pad_id,
+            lengths=lengths,
+            rank=rank,
+            world_size=world_size,
+        )
+        return self._maybe_prefetch(loader)
+
+    def prepare_step_loader(
+        self, sequences: Sequence, *, pad_id: int = 0, lengths: np.ndarray | None = None
+    ) -> StepShards | PrefetchLoader:
+        """This rank's micro-batches of each optimizer step (slipstream.distributed.shards): the
+        built-in loop's loader, in one process or many. Each batch carries `weight` (its share of
+        the step's targets) and `step_end`."""
+        from .distributed.shards import StepShards
+
+        per_step = self.recipe.distributed.batches_per_step or self.dist.world_size
+        loader = self._shaped_loader(sequences, None, None, pad_id=pad_id, lengths=lengths, group=per_step)
+        shards = StepShards(
+            loader, batches_per_step=per_step, rank=self.dist.rank, world_size=self.dist.world_size
+        )
+        self.tracker.extra["batches_per_step"] = per_step
+        return self._maybe_prefetch(shards)  # type: ignore[arg-type]
+
+    def _shaped_loader(
+        self,
+        sequences: Sequence,
+        tokens_per_batch: int | None,
+        max_len: int | None,
+        *,
+        pad_id: int,
+        lengths: np.ndarray | None,
+        rank: int = 0,
+        world_size: int = 1,
+        group: int | None = None,
+    ) -> ShapedLoader:
         from dataclasses import replace
 
         cfg = self.recipe.shapes
@@ -275,7 +338,9 @@ class Session:
             self._check_packing(sequences)
         elif cfg.mode == "auto":
             if "shapes.mode" not in self.decisions:  # decided once per session, then reused
-                decision = self._decide_shape_mode(sequences, cfg, pad_id=pad_id, lengths=lengths)
+                decision = agree(
+                    self._decide_shape_mode(sequences, cfg, pad_id=pad_id, lengths=lengths), self.dist
+                )
                 self.tracker.extra["shape_mode_auto_choice"] = decision.choice
                 self.record(decision)
             cfg = replace(cfg, mode=self.decisions["shapes.mode"]["choice"])
@@ -292,6 +357,7 @@ class Session:
             lengths=lengths,
             on_batch=None if flow.prefetch else self.tracker.on_batch,
             convention=self.convention,
+            group=group,
         )
         self.tracker.extra["shape_policy"] = loader.policy.name
         self.tracker.extra["overflowed_sequences"] = loader.overflow.overflowed
@@ -301,7 +367,7 @@ class Session:
         if flow.workers > 0:
             # Collating token ids is cheap; worker pools are for per-sample decode (prepare_samples).
             self.tracker.extra["dataflow_workers_unused"] = flow.workers
-        return self._maybe_prefetch(loader)
+        return loader
 
     def prepare_samples(
         self,
@@ -330,9 +396,7 @@ class Session:
         self.tracker.extra["dataflow_worker_kind"] = flow.worker_kind
         return self._maybe_prefetch(loader)
 
-    def _maybe_prefetch(
-        self, loader: ShapedLoader | SampleLoader
-    ) -> ShapedLoader | SampleLoader | PrefetchLoader:
+    def _maybe_prefetch(self, loader: Any) -> Any:
         flow = self.recipe.dataflow
         self.tracker.extra["prefetch_depth"] = flow.prefetch_depth if flow.prefetch else 0
         if not flow.prefetch:
@@ -348,6 +412,8 @@ class Session:
             return Decision("optimizer.impl", kept["choice"], kept["reason"])
         params = [p for p in model.parameters() if p.requires_grad]
         cfg = self.recipe.optimizer
+        if self.dist.active and self.recipe.distributed.strategy == "fsdp":
+            return Decision("optimizer.impl", "foreach", "fsdp: sharded parameters are not timed on copies")
 
         def make(copies: list[torch.Tensor], impl: str) -> torch.optim.Optimizer:
             return build_optimizer(_Params(copies), replace(cfg, impl=impl), self.device)  # type: ignore[arg-type]
@@ -367,12 +433,12 @@ class Session:
 
         Measured once per prepared model: each of a few documents of `sequences` gives the same
         loss packed with the others as alone (slipstream.models.verify)."""
-        if self.model is None:
+        if self.local_model is None:
             return None
         if self._packing_problem is False:
             from .models.verify import packing_problem
 
-            self._packing_problem = packing_problem(self.model, self.convention, self.device, sequences)
+            self._packing_problem = packing_problem(self.local_model, self.convention, self.device, sequences)
         return self._packing_problem  # type: ignore[return-value]
 
     def _check_packing(self, sequences: Sequence) -> None:
@@ -386,12 +452,15 @@ class Session:
 
         from .trial import TrialError, time_loaders
 
-        if self.model is None:
+        if self.local_model is None:
             return Decision("shapes.mode", "pack", "model not prepared before the loader: not measured")
         problem = self.packing_problem(sequences)
         if problem:
             return Decision("shapes.mode", "bucket", f"packing refused: {problem}")
-        model = getattr(self.model, "_orig_mod", self.model)  # eager: a trial must not compile
+        if self.dist.active and self.recipe.distributed.strategy == "fsdp":
+            # A trial on sharded parameters would run collectives a time limit could leave unmatched.
+            return Decision("shapes.mode", "pack", "fsdp: not measured (packing is exact for this model)")
+        model = getattr(self.local_model, "_orig_mod", self.local_model)  # eager: a trial must not compile
         loaders = {
             mode: ShapedLoader(
                 sequences,

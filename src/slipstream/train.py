@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,9 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .checkpoint import set_rng_state as restore_rng_state
+from .dataflow import PrefetchLoader
+from .distributed.checkpoint import DCP_NAME, dcp_path, load_dcp, load_full, read_meta, save_dcp
+from .distributed.env import DistEnv, all_reduce_sum, destroy_process_group, gather_floats, rank_failure
 from .metrics import MetricsSummary
 from .models import loss_of
 from .presets import resolve_recipe
@@ -159,28 +164,123 @@ def train(
     wl = get_workload(workload)
     if size not in wl.sizes:
         raise RecipeError(f"workload {workload!r} has no size {size!r}; choose one of {', '.join(wl.sizes)}")
-    ckpt_path = Path(checkpoint_dir) / CHECKPOINT_NAME if checkpoint_dir else None
+    env = DistEnv.from_environ()
+    folder = Path(checkpoint_dir) if checkpoint_dir else None
+    ckpt_path = folder / CHECKPOINT_NAME if folder else None
     if resume and ckpt_path is None:
         raise RecipeError("resume needs a checkpoint folder: pass --checkpoint-dir")
-    if ckpt_path is not None and ckpt_path.exists() and not resume:
+    existing = _existing_checkpoint(folder)
+    if existing is not None and env.restart_count > 0:
+        resume = True  # torchrun restarted the ranks after a failure: continue from the checkpoint
+    if existing is not None and not resume:
         raise CheckpointError(
-            f"{ckpt_path} already exists; pass --resume to continue it, or choose another --checkpoint-dir"
+            f"{existing} already exists; pass --resume to continue it, or choose another --checkpoint-dir"
         )
-    saved = load_checkpoint(ckpt_path) if resume and ckpt_path is not None else None
+    saved = None
+    if resume:
+        if existing is None:
+            load_checkpoint(ckpt_path)  # type: ignore[arg-type]  # raises: nothing to resume, and the fix
+        saved = (
+            read_meta(existing)
+            if existing.name == DCP_NAME or existing.is_dir()
+            else load_checkpoint(existing)
+        )  # type: ignore[union-attr]
     identity = _run_identity(workload, size, recipe)
     if saved is not None:
-        _check_identity(saved["identity"], identity, ckpt_path)  # type: ignore[arg-type]
+        _check_identity(saved["identity"], identity, existing)  # type: ignore[arg-type]
 
     # A resumed run keeps the `auto` choices it made (a new trial could pick another data order).
     earlier = saved["session"].get("decisions") if saved is not None else None  # type: ignore[union-attr]
     session = Session(recipe, decisions=earlier)
+    try:
+        return _train(
+            session, wl, workload, size, recipe, steps, identity, saved, existing, folder,
+            eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=checkpoint_every,
+            progress=progress, log_every=log_every, on_eval=on_eval, export_dir=export_dir,
+        )  # fmt: skip
+    except (torch.distributed.DistError, RuntimeError) as err:
+        if env.active and _is_collective_failure(err):
+            raise rank_failure(err, env, recipe.distributed.timeout_s) from err
+        raise
+    finally:
+        if env.active:
+            destroy_process_group()
+
+
+def _existing_checkpoint(folder: Path | None) -> Path | None:
+    """The newest checkpoint in `folder`: one process writes checkpoint.pt, several a DCP folder;
+    a run that changed its world size leaves both for a moment (the newer step wins)."""
+    if folder is None:
+        return None
+    pt = folder / CHECKPOINT_NAME
+    dcp = dcp_path(folder)
+    if dcp is None:
+        return pt if pt.exists() else None
+    if not pt.exists():
+        return dcp
+    return dcp if int(read_meta(dcp)["step"]) >= int(load_checkpoint(pt)["step"]) else pt
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    text = str(err)
+    return isinstance(err, torch.distributed.DistError) or any(
+        k in text for k in ("Gloo", "gloo", "NCCL", "Connection closed", "Connection reset", "timed out")
+    )
+
+
+def _train(
+    session: Session,
+    wl: Any,
+    workload: str,
+    size: str,
+    recipe: Recipe,
+    steps: int,
+    identity: dict[str, Any],
+    saved: dict[str, Any] | None,
+    existing: Path | None,
+    folder: Path | None,
+    *,
+    eval_every: int,
+    eval_batches: int,
+    checkpoint_every: int,
+    progress: bool,
+    log_every: int,
+    on_eval: Callable[[int, float], None] | None,
+    export_dir: str | Path | None,
+) -> TrainResult:
+    from .distributed.balance import LoadBalancer
+    from .distributed.wrap import gradient_sync, local_module
+
+    env = session.dist
+    dcfg = recipe.distributed
+    if env.active and dcfg.strategy == "pipeline":
+        raise RecipeError(
+            "distributed.strategy=pipeline is not run by the built-in loop yet; use ddp or fsdp, or "
+            "slipstream.distributed.pipeline from your own loop (docs/pipeline.md)"
+        )
+    ckpt_path = folder / CHECKPOINT_NAME if folder else None
     data = wl.load_data()
     model = session.prepare_model(wl.model(size, recipe.shapes.max_len))
     optimizer = session.build_optimizer(model, total_steps=steps)
+    balancer = None
     if wl.make_loaders is not None:  # workloads with their own data pipeline (e.g. decoded images)
+        if env.active:
+            raise RecipeError(
+                f"workload {workload!r} brings its own data pipeline; several ranks train token workloads only"
+            )
         loader, val_loader = wl.make_loaders(session, data)
     else:
-        loader = session.prepare_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
+        loader = session.prepare_step_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
+        if dcfg.balance != "off" and env.active:
+            if dcfg.strategy != "ddp" and dcfg.balance == "on":
+                raise RecipeError(
+                    "distributed.balance=on needs strategy=ddp (an fsdp forward waits on the other "
+                    "ranks, so its time is not this rank's speed); use balance=off or auto"
+                )
+            if dcfg.strategy == "ddp":
+                lead = (recipe.dataflow.prefetch_depth + 2) if recipe.dataflow.prefetch else 1
+                shards = loader.loader if isinstance(loader, PrefetchLoader) else loader
+                balancer = LoadBalancer(shards, env, dcfg.balance, dcfg.balance_every, lead)
         val_loader = ShapedLoader(
             data.validation,
             loader.cfg,
@@ -195,39 +295,50 @@ def train(
     val_losses: list[dict[str, float]] = []
     step = 0
     if saved is not None:
-        _raw_model(model).load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+        if existing is not None and existing.is_dir():
+            load_dcp(existing, model, optimizer)  # any world size: DCP reshards
+        elif env.active:
+            load_full(saved, model, optimizer)  # a 1-process checkpoint into N ranks
+        else:
+            _raw_model(model).load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
         session.load_state_dict(saved["session"])
         loader.load_state_dict(saved["loader"])
         step = int(saved["step"])
         losses = list(saved["loss"])
         val_losses = list(saved["val_loss"])
         restore_rng_state(saved["rng"])
-        clean_stale_temps(ckpt_path.parent)  # type: ignore[union-attr]
+        if env.is_main:
+            clean_stale_temps(folder)  # type: ignore[arg-type]
     start_step = step
 
     def write_checkpoint() -> None:
-        if ckpt_path is None:
+        if folder is None:
             return
-        save_checkpoint(
-            ckpt_path,
-            {
-                "identity": identity,
-                "step": step,
-                "model": _raw_model(model).state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "session": session.state_dict(),
-                "loader": loader.state_dict(),
-                "loss": losses,
-                "val_loss": val_losses,
-                "rng": rng_state(),
-            },
-        )
+        state = {
+            "identity": identity,
+            "step": step,
+            "session": session.state_dict(),
+            "loader": loader.state_dict(),
+            "loss": losses,
+            "val_loss": val_losses,
+            "rng": rng_state(),
+        }
+        if env.active:
+            save_dcp(folder, model, optimizer, state, env)
+            if env.is_main:
+                ckpt_path.unlink(missing_ok=True)  # type: ignore[union-attr]  # superseded
+            return
+        state.update(model=_raw_model(model).state_dict(), optimizer=optimizer.state_dict())
+        save_checkpoint(ckpt_path, state)  # type: ignore[arg-type]
+        shutil.rmtree(folder / DCP_NAME, ignore_errors=True)  # superseded by the 1-process file
 
+    eval_model = local_module(model)
     if step == 0 and eval_every > 0:
-        val_losses.append({"step": 0, "loss": evaluate(model, val_loader, session, eval_batches)})
+        val_losses.append({"step": 0, "loss": evaluate(eval_model, val_loader, session, eval_batches)})
 
-    bar = _Progress(steps, step, progress)
+    bar = _Progress(steps, step, progress and env.is_main)
+    step_lengths: list[float] = []  # row length of each step on this rank: lock-step is checked at the end
     pending: list[torch.Tensor] = []  # losses kept on device until a log point: no sync per step
     t_start = time.perf_counter()
     tokens_seen = 0
@@ -236,20 +347,36 @@ def train(
     try:
         batches = loader.forever()
         while step < steps:
-            batch = next(batches)
-            with session.autocast():
-                loss = loss_of(model(**batch))
-            session.backward(loss)
+            step_loss = None
+            while True:  # this rank's micro-batches of the step; gradients sync on the last
+                batch = next(batches)
+                weight = getattr(batch, "weight", 1.0)
+                with gradient_sync(model, getattr(batch, "step_end", True)):
+                    timed = balancer.timed(batch.shape[0], session.device) if balancer else nullcontext()
+                    with timed, session.autocast():
+                        loss = loss_of(model(**batch))
+                    # DDP and FSDP average gradients over ranks: scaled by world_size x this batch's
+                    # share of the step's targets, the sum is the token-weighted global gradient.
+                    scale = weight * env.world_size
+                    session.backward(loss if scale == 1.0 else loss * scale)
+                part = loss.detach() if weight == 1.0 else loss.detach() * weight
+                step_loss = part if step_loss is None else step_loss + part
+                tokens_seen += batch.real_tokens
+                if getattr(batch, "step_end", True):
+                    break
+            step_lengths.append(float(batch.shape[1]))
             updating = True
             session.step(optimizer)
-            pending.append(loss.detach())
-            tokens_seen += batch.real_tokens
+            pending.append(step_loss)
             step += 1
             updating = False
+            if balancer is not None:
+                balancer.after_step(step)
             at_eval = eval_every > 0 and (step % eval_every == 0 or step == steps)
             at_ckpt = checkpoint_every > 0 and step % checkpoint_every == 0
             if pending and (step % log_every == 0 or at_eval or at_ckpt or step == steps):
-                losses.extend(torch.stack(pending).float().tolist())
+                # Each rank holds its share of the step's loss: the sum over ranks is the step's loss.
+                losses.extend(all_reduce_sum(torch.stack(pending).double(), env).float().tolist())
                 pending.clear()
                 if not math.isfinite(losses[-1]):
                     raise FloatingPointError(
@@ -257,16 +384,18 @@ def train(
                     )
                 bar.update(step, losses[-1], tokens_seen / (time.perf_counter() - t_start))
             if at_eval:
-                val_losses.append({"step": step, "loss": evaluate(model, val_loader, session, eval_batches)})
+                val_losses.append(
+                    {"step": step, "loss": evaluate(eval_model, val_loader, session, eval_batches)}
+                )
                 if on_eval is not None:
                     on_eval(step, val_losses[-1]["loss"])
             if at_ckpt:
                 write_checkpoint()
             fault_point("step")
     except KeyboardInterrupt:
-        if pending:
+        if pending and not env.active:
             losses.extend(torch.stack(pending).float().tolist())
-        if not updating:
+        if not updating and not env.active:  # ranks may be mid-collective: no DCP save now
             write_checkpoint()  # keep what was learned; --resume continues from here
         raise
     finally:
@@ -275,6 +404,11 @@ def train(
         if close is not None:
             close()  # join prefetch threads and workers now, not at garbage collection
     write_checkpoint()
+    metrics = session.metrics()
+    if env.active:
+        metrics.extra.update(_rank_figures(env, step_lengths, tokens_seen, time.perf_counter() - t_start))
+    if balancer is not None:
+        metrics.extra.update(balancer.describe())
     result = TrainResult(
         workload=workload,
         size=size,
@@ -282,10 +416,11 @@ def train(
         steps=step,
         loss=losses,
         val_loss=val_losses,
-        metrics=session.metrics(),
+        metrics=metrics,
         checkpoint=str(ckpt_path) if ckpt_path else None,
         resumed_from_step=start_step if saved is not None else None,
-        parameters=sum(p.numel() for p in _raw_model(model).parameters()),
+        parameters=sum(p.numel() for p in _raw_model(local_module(model)).parameters()),
+        extra={"rank": env.rank, "world_size": env.world_size},
     )
     if export_dir is not None:  # the trained model (+ tokenizer), loadable without slipstream's loop
         from .export import export_workload_model
@@ -297,3 +432,15 @@ def train(
 def _raw_model(model: nn.Module) -> nn.Module:
     """The module whose state_dict keys are stable (torch.compile's wrapper adds a prefix)."""
     return getattr(model, "_orig_mod", model)
+
+
+def _rank_figures(env: DistEnv, step_lengths: list[float], tokens: int, seconds: float) -> dict[str, Any]:
+    """Across ranks: steps whose row length differed (lock-step: 0), and aggregate real tokens/s."""
+    shapes = gather_floats(step_lengths, env)
+    mismatched = sum(len(set(at_step)) > 1 for at_step in zip(*shapes))
+    per_rank = gather_floats([tokens / max(seconds, 1e-9), float(tokens)], env)
+    return {
+        "lockstep_mismatched_steps": mismatched,
+        "rank_real_tokens_per_s": [round(r[0], 1) for r in per_rank],
+        "global_real_tokens_per_s": round(sum(r[1] for r in per_rank) / max(seconds, 1e-9), 1),
+    }

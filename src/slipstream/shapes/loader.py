@@ -170,8 +170,11 @@ class ShapedLoader:
         lengths: np.ndarray | None = None,
         on_batch: Callable[[Batch, float], None] | None = None,
         convention: BatchConvention = SHIFTED,
+        group: int | None = None,
     ):
-        """`convention`: the model's batch convention (slipstream.models.detect_convention)."""
+        """`convention`: the model's batch convention (slipstream.models.detect_convention).
+        `group`: consecutive batches planned with one shape (default `world_size`: each step's
+        batches of all ranks); slipstream.distributed plans whole optimizer steps this way."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.sequences = sequences
@@ -188,7 +191,9 @@ class ShapedLoader:
         self.item_seq, self.item_start, item_len, self.overflow = make_items(
             sequences, replace(cfg, max_len=cfg.max_len - extra), lengths
         )
-        self.policy: ShapePolicy = get_shape_policy(cfg.mode)(cfg, item_len + extra, world_size=world_size)
+        self.policy: ShapePolicy = get_shape_policy(cfg.mode)(
+            cfg, item_len + extra, world_size=group or world_size
+        )
         self.epoch = 0
         self.position = 0
         self._on_batch = on_batch
