@@ -23,7 +23,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
-test: $(STAMP) lint
+# The tune tests start a throwaway PostgreSQL server: install its binaries when missing (as root).
+.PHONY: postgres
+postgres:
+	bash scripts/postgres.sh ensure
+
+test: $(STAMP) lint postgres
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -109,7 +109,8 @@ def test_storage_kinds_and_errors(tmp_path, monkeypatch):
     assert isinstance(j, optuna.storages.JournalStorage)
     with pytest.raises(RecipeError, match="not a database URL"):
         open_storage("runs/study", tmp_path)
-    # PostgreSQL: the same RDBStorage path with a heartbeat (no server here: check the call).
+    # PostgreSQL: the same RDBStorage path with a heartbeat (the call; test_postgres_workers.py
+    # runs a real server).
     seen = {}
 
     class FakeRDB:
@@ -118,8 +119,23 @@ def test_storage_kinds_and_errors(tmp_path, monkeypatch):
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", FakeRDB)
     open_storage("postgresql://u:pw@db.example/optuna", tmp_path, heartbeat_interval=7)
-    assert seen["url"].startswith("postgresql://")
+    assert (
+        seen["url"] == "postgresql+psycopg://u:pw@db.example/optuna"
+    )  # the driver slipstream[tune] installs
     assert seen["heartbeat_interval"] == 7 and seen["grace_period"] == 14
+
+
+def test_bare_postgresql_url_names_the_installed_driver(monkeypatch):
+    # SQLAlchemy 2.0 reads a bare postgresql:// as psycopg2, 2.1 as psycopg (3): name what is there.
+    from slipstream.tune import search
+
+    installed = {"psycopg"}
+    monkeypatch.setattr(search, "_has", lambda m: m in installed)
+    assert search.postgres_driver("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    installed = {"psycopg2"}
+    assert search.postgres_driver("postgresql://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert search.postgres_driver("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert search.postgres_driver("sqlite:///x.db") == "sqlite:///x.db"
 
 
 def test_unreachable_database_is_a_clear_error(tmp_path):

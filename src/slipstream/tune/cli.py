@@ -37,7 +37,7 @@ def _fmt(value: Any) -> str:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .objectives import SYNTHETIC, WorkloadObjective
-    from .search import make_pruner, open_storage, run_study, storage_url, summarize
+    from .search import _redact, make_pruner, open_storage, run_study, storage_url, summarize
     from .space import apply_params, base_params, parse_param
 
     if args.trials < 1:
@@ -78,7 +78,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # Synthetic functions report no intermediate values: nothing to prune.
     pruner = None if args.objective else make_pruner(args.pruner, warmup_steps=warmup)
 
-    print(f"study {study_name!r} in {storage_url(args.storage, run_dir)}")
+    print(f"study {study_name!r} in {_redact(storage_url(args.storage, run_dir))}")
     print(f"minimising {what} over: " + "; ".join(p.describe() for p in space))
 
     def on_trial(study: Any, trial: Any) -> None:
@@ -258,7 +258,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--seed",
         type=int,
-        help="sampler seed (default: a fresh one per worker; give workers different seeds)",
+        help="sampler seed (default: a fresh one per worker); offset per worker and by the stored trials",
     )
     p.add_argument("--no-base", action="store_true", help="do not run the base recipe as the first trial")
     p.add_argument(

@@ -20,6 +20,7 @@ stays RUNNING).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 import os
@@ -208,16 +209,36 @@ def open_storage(
         )
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    url = postgres_driver(url)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     try:
         return _rdb_storage(url, engine_kwargs, heartbeat_interval, grace_period)
-    except ModuleNotFoundError as err:
+    except ImportError as err:  # Optuna re-raises the driver's ModuleNotFoundError as a bare ImportError
+        missing = getattr(err.__cause__, "name", None) or err.name or "the driver"
         raise RecipeError(
-            f"--storage {url.split('://')[0]}://...: the database driver is missing ({err.name}); "
-            "for PostgreSQL: pip install psycopg2-binary"
+            f"--storage {url.split('://')[0]}://...: the database driver is missing ({missing}); "
+            "for PostgreSQL: pip install 'psycopg[binary]' (or pip install 'slipstream[tune]')"
         ) from err
     except Exception as err:  # SQLAlchemy's connection errors
         raise RecipeError(f"cannot open study storage {_redact(url)}: {type(err).__name__}: {err}") from err
+
+
+def postgres_driver(url: str) -> str:
+    """Name the installed driver in a bare postgresql:// (or postgres://) URL.
+
+    SQLAlchemy reads a bare postgresql:// as psycopg2 up to 2.0 and as psycopg (3) from 2.1 on, so
+    the same URL works or fails with the driver missing depending on the version; `slipstream[tune]`
+    installs psycopg 3. A URL that names its driver (postgresql+psycopg2://...) is kept."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("postgresql", "postgres"):
+        return url
+    import sqlalchemy
+
+    if _has("psycopg") and int(sqlalchemy.__version__.split(".")[0]) >= 2:
+        return f"postgresql+psycopg://{rest}"
+    if _has("psycopg2"):
+        return f"postgresql+psycopg2://{rest}"
+    return f"postgresql://{rest}"
 
 
 def _rdb_storage(
@@ -253,6 +274,114 @@ def _redact(url: str) -> str:
         creds, host = rest.rsplit("@", 1)
         return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else url
     return url
+
+
+class StudyLock:
+    """A lock over one study shared by all its workers, held while a worker asks for a trial.
+
+    Why: a sampler draws a trial's point from the trials it can see, and a point another worker is
+    still drawing is invisible (its trial has no parameters yet). Measured on PostgreSQL with two
+    workers and the Gaussian-process sampler (which maximises the same acquisition function from
+    the same data), two runs of 20 trials: one exact duplicate each, and 5 and 4 more pairs within
+    0.02 in a 15 x 15 box. Held from counting the trials through creating one to storing all its
+    parameters, the lock lets the next worker see that point as running (constant liar) and draw
+    another, makes the trial count exact, and gives each seeded worker its own seed (the trials
+    counted under the lock differ). Sampling is serialised, which costs a sampler call per trial:
+    seconds for a synthetic objective, nothing next to a trial that trains a model.
+
+    PostgreSQL: a session-level advisory lock on a connection of its own; SQLite and journal files:
+    an flock on a file beside the study. A worker that dies holding either loses it with its
+    connection or file. Other storages (MySQL, in-memory): no lock. A worker that waits `wait_s`
+    goes on without it (a frozen holder must not stop the study)."""
+
+    def __init__(self, storage: Any, study_name: str, *, wait_s: float = 300.0):
+        self.kind = "none"
+        self.wait_s = wait_s
+        self.held = False
+        self._conn: Any = None
+        self._fd: int | None = None
+        digest = hashlib.sha256(f"slipstream-tune:{study_name}".encode()).digest()
+        self._key = int.from_bytes(digest[:8], "big", signed=True)
+        engine = getattr(storage, "engine", None)
+        backend = getattr(storage, "_backend", None)
+        if engine is not None and engine.url.get_backend_name() == "postgresql":
+            import sqlalchemy
+            from sqlalchemy.pool import NullPool
+
+            self._conn = (
+                sqlalchemy.create_engine(engine.url, poolclass=NullPool)
+                .connect()
+                .execution_options(isolation_level="AUTOCOMMIT")
+            )
+            self.kind = "postgresql advisory lock"
+        elif (
+            engine is not None
+            and engine.url.get_backend_name() == "sqlite"
+            and engine.url.database not in (None, "", ":memory:")
+        ):
+            self._open_file(engine.url.database + ".lock")
+        elif isinstance(getattr(backend, "_file_path", None), str):
+            self._open_file(backend._file_path + ".lock")
+
+    def _open_file(self, path: str) -> None:
+        if importlib.util.find_spec("fcntl") is None:
+            return
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.kind = "file lock"
+
+    def _try(self) -> bool:
+        if self._conn is not None:
+            import sqlalchemy
+
+            sql = sqlalchemy.text("SELECT pg_try_advisory_lock(:k)")
+            return bool(self._conn.execute(sql, {"k": self._key}).scalar())
+        if self._fd is not None:
+            import fcntl
+
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
+        return True
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        deadline = time.monotonic() + self.wait_s
+        while not self._try():
+            if time.monotonic() > deadline:
+                warnings.warn(
+                    f"study lock ({self.kind}) still taken after {self.wait_s:.0f} s: asking without it",
+                    stacklevel=2,
+                )
+                return
+            time.sleep(0.05)
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        if self._conn is not None:
+            import sqlalchemy
+
+            self._conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
+        elif self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        try:
+            self.release()
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def _space_signature(space: Sequence[ParamSpec]) -> list[str]:
@@ -298,9 +427,6 @@ def run_study(
         direction=direction,
         load_if_exists=True,
     )
-    # A resumed study must not replay the same random draws: offset the seed by the trials stored.
-    if seed is not None:
-        seed += len(study.get_trials(deepcopy=False))
     pruning = pruner is not None and not isinstance(pruner, optuna.pruners.NopPruner)
     choice = choose_method(method, space, n_trials, seed=seed, pruning=pruning)
     study.sampler = choice.sampler
@@ -319,12 +445,20 @@ def run_study(
     heartbeat = isinstance(storage, optuna.storages.RDBStorage)
     worker = f"{socket.gethostname()}:{os.getpid()}"
 
+    lock = StudyLock(storage, study_name)
+    seeded = False
+
     def wrapped(trial: Any) -> float:
         if heartbeat:
             # Optuna's heartbeat thread writes its first beat a moment after the trial starts; a
             # worker killed before it leaves a RUNNING trial that never turns stale. Beat now.
             storage.record_heartbeat(trial._trial_id)
         trial.set_user_attr("slipstream_worker", worker)
+        # Draw and store every parameter before the next worker may ask (the objective's own
+        # suggest calls get these values back): it then sees this point among the running trials.
+        for p in space:
+            p.suggest(trial)
+        lock.release()
         return objective(trial)
 
     def callback(study: Any, trial: Any) -> None:
@@ -336,22 +470,36 @@ def run_study(
             if fibonacci_state(study).finished:
                 study.set_user_attr("slipstream_fibonacci_finished", True)
 
-    while True:
-        if heartbeat:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                optuna.storages.fail_stale_trials(study)
-        trials = study.get_trials(deepcopy=False)
-        finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
-        running = sum(t.state == TrialState.RUNNING for t in trials)
-        if finished >= n_trials or study.user_attrs.get("slipstream_fibonacci_finished"):
-            break
-        if finished + running >= n_trials:
-            if not heartbeat:
-                break  # no heartbeat: nobody can tell a dead worker's trial from a slow one
-            time.sleep(poll_s)  # wait for other workers' trials, or for them to turn stale
-            continue
-        study.optimize(wrapped, n_trials=1, callbacks=[callback], gc_after_trial=False)
+    try:
+        while True:
+            if heartbeat:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    optuna.storages.fail_stale_trials(study)
+            lock.acquire()  # count and ask under the lock: see StudyLock
+            trials = study.get_trials(deepcopy=False)
+            finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+            running = sum(t.state == TrialState.RUNNING for t in trials)
+            if finished >= n_trials or study.user_attrs.get("slipstream_fibonacci_finished"):
+                break
+            if finished + running >= n_trials:
+                lock.release()
+                if not heartbeat:
+                    break  # no heartbeat: nobody can tell a dead worker's trial from a slow one
+                time.sleep(poll_s)  # wait for other workers' trials, or for them to turn stale
+                continue
+            if seed is not None and not seeded:
+                # Offset the seed by the trials stored: a resumed study does not replay its draws,
+                # and workers given one --seed do not draw the same points (each counts the
+                # trials its predecessors under the lock made).
+                offset = seed + len(trials)
+                choice.sampler = choose_method(method, space, n_trials, seed=offset, pruning=pruning).sampler
+                study.sampler = choice.sampler
+                seeded = True
+            study.optimize(wrapped, n_trials=1, callbacks=[callback], gc_after_trial=False)
+            lock.release()  # already released by wrapped, unless the trial failed before it
+    finally:
+        lock.close()
     return study, choice
 
 
@@ -413,10 +561,12 @@ __all__ = [
     "METHODS",
     "PRUNERS",
     "MethodChoice",
+    "StudyLock",
     "best_trial",
     "choose_method",
     "make_pruner",
     "open_storage",
+    "postgres_driver",
     "require_optuna",
     "run_study",
     "storage_url",
