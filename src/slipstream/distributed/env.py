@@ -68,7 +68,34 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
             "`slipstream train --nproc N` or `torchrun --nproc-per-node N -m slipstream train ...`"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=_device_id(device))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend,
+        store=_attempt_store(env, timeout),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=_device_id(device),
+    )
+
+
+def _attempt_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this torchrun attempt.
+
+    After `--max-restarts` restarts the ranks, torchrun's store still holds the dead attempt's
+    process-group keys under the same names: restarted gloo ranks read a dead peer's address and
+    fail with "connectFullMesh ... Connection refused" (seen here on torch 2.13; pytorch#167288).
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env.world_size,
+        is_master=not agent_hosts and env.rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_hosts,
+    )
+    return dist.PrefixStore(f"slipstream/attempt-{env.restart_count}", store)
 
 
 def _device_id(device: torch.device) -> torch.device | None:

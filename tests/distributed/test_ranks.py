@@ -1,0 +1,162 @@
+"""Two real ranks under torchrun (gloo, one thread each): DDP and FSDP2 follow the one-process loop
+on the same global batch, shapes stay in lock-step, DCP checkpoints reshard 2 -> 1 and 1 -> 2, and
+a killed rank ends the run with a message instead of a hang; torchrun's restart resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Bucketed rows of different lengths, so micro-batches differ in targets and the token weighting
+# is exercised; one optimizer kernel, so separate runs cannot time `auto` differently.
+RECIPE = (
+    'baseline+shapes.mode="bucket"+shapes.max_len=64+shapes.tokens_per_batch=512'
+    '+optimizer.impl="foreach"+distributed.batches_per_step=2'
+)
+COMMON = ["train", "--eval-every", "0", "--no-progress"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLIPSTREAM_FAULT"):
+        env.pop(k, None)
+    return env
+
+
+def train(tmp: Path, name: str, *args: str, nproc: int = 1, recipe: str = RECIPE, check: bool = True):
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "slipstream", *COMMON, "--recipe", recipe, "--json", str(out), *args]
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(out.read_text())
+    return proc
+
+
+def _close(a, b, rtol):
+    assert len(a) == len(b)
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    assert worst <= rtol, f"relative difference {worst:.2e} > {rtol:g}"
+
+
+def test_ddp_and_fsdp_follow_one_process_on_the_same_global_batch(tmp_path):
+    one = train(tmp_path, "one", "--steps", "6")
+    ddp = train(tmp_path, "ddp", "--steps", "6", nproc=2)
+    fsdp = train(tmp_path, "fsdp", "--steps", "6", nproc=2, recipe=RECIPE + '+distributed.strategy="fsdp"')
+    _close(ddp["loss"], one["loss"], 1e-6)
+    _close(fsdp["loss"], one["loss"], 1e-5)
+    assert ddp["world_size"] == 2 and ddp["distributed_strategy"] == "ddp"
+    # each rank collated only its shard: half the real tokens of the one process
+    assert ddp["real_tokens"] < 0.75 * one["real_tokens"]
+    assert ddp["lockstep_mismatched_steps"] == 0
+
+
+def test_ranks_run_one_shape_per_step_over_a_whole_epoch(tmp_path):
+    from slipstream.distributed.shards import StepShards
+    from slipstream.recipe import Recipe
+    from slipstream.shapes.loader import ShapedLoader
+    from slipstream.workloads import get_workload
+
+    recipe = Recipe().override(
+        'shapes.mode="bucket"', "shapes.max_len=64", "shapes.tokens_per_batch=4096"
+    )  # big batches: an epoch is short
+    data = get_workload("gpt-stdlib").load_data()
+    loader = ShapedLoader(data.train, recipe.shapes, lengths=data.train_lengths, group=2)
+    epoch = StepShards(loader, batches_per_step=2, rank=0, world_size=2).steps_per_epoch()
+    spec = RECIPE.replace("tokens_per_batch=512", "tokens_per_batch=4096")
+    out = train(tmp_path, "epoch", "--steps", str(epoch + 1), nproc=2, recipe=spec)
+    assert out["distinct_shapes"] > 1  # several buckets were visited...
+    assert out["lockstep_mismatched_steps"] == 0  # ...and every step ran one of them on both ranks
+
+
+def test_dcp_checkpoints_resume_exactly_across_world_sizes(tmp_path):
+    straight = train(tmp_path, "straight", "--steps", "8")["loss"]
+    # 2 ranks write a DCP checkpoint at step 4; one process continues it to step 8
+    two = tmp_path / "two"
+    train(tmp_path, "a", "--steps", "4", "--checkpoint-dir", str(two), nproc=2)
+    assert (two / "checkpoint.dcp" / "meta.pt").exists()
+    down = train(tmp_path, "b", "--steps", "8", "--checkpoint-dir", str(two), "--resume")
+    assert down["resumed_from_step"] == 4
+    _close(down["loss"], straight, 1e-6)
+    # one process writes checkpoint.pt at step 4; 2 ranks continue it
+    one = tmp_path / "one"
+    train(tmp_path, "c", "--steps", "4", "--checkpoint-dir", str(one))
+    up = train(tmp_path, "d", "--steps", "8", "--checkpoint-dir", str(one), "--resume", nproc=2)
+    _close(up["loss"], straight, 1e-6)
+    assert (one / "checkpoint.dcp").exists() and not (one / "checkpoint.pt").exists()
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the worker processes under a torchrun launched by us."""
+    out: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        env = dict(e.split(b"=", 1) for e in environ if b"=" in e)
+        if env.get(b"TORCHELASTIC_RUN_ID") and b"RANK" in env and _descends(int(entry.name), launcher_pid):
+            out[int(env[b"RANK"])] = int(entry.name)
+    return out
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _start_and_kill_rank_1(tmp_path, steps, *extra):
+    run = tmp_path / "run"
+    out = tmp_path / "killed.json"
+    cmd = [
+        sys.executable, "-m", "slipstream", *COMMON, "--recipe", RECIPE, "--steps", str(steps), "--json", str(out),
+        "--checkpoint-dir", str(run), "--checkpoint-every", "2", "--nproc", "2", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoint.dcp" / "meta.pt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.2)
+    ranks = _rank_pids(proc.pid)
+    assert set(ranks) == {0, 1}
+    os.kill(ranks[1], signal.SIGKILL)
+    return proc, run, out, time.monotonic()
+
+
+def test_a_killed_rank_ends_the_run_with_a_message_and_resume_continues(tmp_path):
+    proc, run, _, killed_at = _start_and_kill_rank_1(tmp_path, 2000)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - killed_at < 60
+    assert proc.returncode != 0
+    assert "rank 1" in err.lower() or "ChildFailedError" in err or "exitcode" in err, err[-2000:]
+    out = train(tmp_path, "resumed", "--steps", "12", "--checkpoint-dir", str(run), "--resume", nproc=2)
+    assert out["resumed_from_step"] >= 2 and len(out["loss"]) == 12
+
+
+def test_torchrun_restarts_the_ranks_and_they_resume_from_the_checkpoint(tmp_path):
+    proc, run, out, _ = _start_and_kill_rank_1(tmp_path, 300, "--max-restarts", "1")
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["loss"]) == 300 and result["resumed_from_step"] >= 2
