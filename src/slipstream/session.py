@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -198,6 +198,11 @@ class Session:
         if self.precision == "fp16":
             self.scaler = LossScaler(self.device, self.recipe.precision)
             self.tracker.extra["loss_scale"] = self.scaler.loss_scale
+        self.clip_grad_norm: Callable[[list[torch.Tensor], float], torch.Tensor] = (
+            torch.nn.utils.clip_grad_norm_
+        )
+        """How `step` clips: the norm over these parameters; a pipeline stage replaces it with the
+        norm over all stages (slipstream.distributed.pipeline.clip_grad_norm_)."""
         self.last_step_skipped = False
         """True when the last `step` was skipped because of inf/nan gradients (fp16 only)."""
         self.schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] = {}
@@ -235,7 +240,7 @@ class Session:
         model = apply_cudagraphs(model, cfg, self.device)
         self.tracker.extra["compiled"] = cfg.mode != "off"
         self.local_model = model
-        if self.dist.active:
+        if self.dist.active and self.recipe.distributed.strategy != "pipeline":
             from .distributed.wrap import apply_data_parallel
 
             model = apply_data_parallel(
@@ -300,18 +305,23 @@ class Session:
         return self._maybe_prefetch(loader)
 
     def prepare_step_loader(
-        self, sequences: Sequence, *, pad_id: int = 0, lengths: np.ndarray | None = None
+        self,
+        sequences: Sequence,
+        *,
+        pad_id: int = 0,
+        lengths: np.ndarray | None = None,
+        data_parallel: bool = True,
     ) -> StepShards | PrefetchLoader:
         """This rank's micro-batches of each optimizer step (slipstream.distributed.shards): the
         built-in loop's loader, in one process or many. Each batch carries `weight` (its share of
-        the step's targets) and `step_end`."""
+        the step's targets) and `step_end`. `data_parallel=False`: every rank gets the whole
+        global batch (pipeline stages all see the same batch)."""
         from .distributed.shards import StepShards
 
-        per_step = self.recipe.distributed.batches_per_step or self.dist.world_size
+        rank, world = (self.dist.rank, self.dist.world_size) if data_parallel else (0, 1)
+        per_step = self.recipe.distributed.batches_per_step or world
         loader = self._shaped_loader(sequences, None, None, pad_id=pad_id, lengths=lengths, group=per_step)
-        shards = StepShards(
-            loader, batches_per_step=per_step, rank=self.dist.rank, world_size=self.dist.world_size
-        )
+        shards = StepShards(loader, batches_per_step=per_step, rank=rank, world_size=world)
         self.tracker.extra["batches_per_step"] = per_step
         return self._maybe_prefetch(shards)  # type: ignore[arg-type]
 
@@ -516,13 +526,13 @@ class Session:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)  # before clipping, so the clip sees the true gradient norm
             if clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, clip)
+                self.clip_grad_norm(params, clip)
             stepped = self.scaler.step(optimizer)
             self.tracker.skipped_steps += int(not stepped)
             self.tracker.extra["loss_scale"] = self.scaler.loss_scale
         else:
             if clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, clip)
+                self.clip_grad_norm(params, clip)
             optimizer.step()
         self.last_step_skipped = not stepped
         optimizer.zero_grad(set_to_none=True)

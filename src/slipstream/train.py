@@ -253,15 +253,25 @@ def _train(
 
     env = session.dist
     dcfg = recipe.distributed
+    pipeline = None
     if env.active and dcfg.strategy == "pipeline":
-        raise RecipeError(
-            "distributed.strategy=pipeline is not run by the built-in loop yet; use ddp or fsdp, or "
-            "slipstream.distributed.pipeline from your own loop (docs/pipeline.md)"
-        )
+        if folder is not None:
+            raise RecipeError(
+                "distributed.strategy=pipeline does not write checkpoints yet; drop --checkpoint-dir "
+                "or use ddp/fsdp (docs/distributed.md)"
+            )
+        if eval_every > 0:
+            eval_every = 0  # the stages hold slices of the model: no rank can evaluate it alone
+            session.tracker.extra["validation"] = "not run under distributed.strategy=pipeline"
     ckpt_path = folder / CHECKPOINT_NAME if folder else None
     data = wl.load_data()
-    model = session.prepare_model(wl.model(size, recipe.shapes.max_len))
-    optimizer = session.build_optimizer(model, total_steps=steps)
+    if env.active and dcfg.strategy == "pipeline":
+        from .distributed.pipeline_train import prepare_pipeline
+
+        model, optimizer, pipeline = prepare_pipeline(session, wl.model(size, recipe.shapes.max_len), steps)
+    else:
+        model = session.prepare_model(wl.model(size, recipe.shapes.max_len))
+        optimizer = session.build_optimizer(model, total_steps=steps)
     balancer = None
     if wl.make_loaders is not None:  # workloads with their own data pipeline (e.g. decoded images)
         if env.active:
@@ -270,7 +280,9 @@ def _train(
             )
         loader, val_loader = wl.make_loaders(session, data)
     else:
-        loader = session.prepare_step_loader(data.train, lengths=data.train_lengths, pad_id=data.pad_id)
+        loader = session.prepare_step_loader(
+            data.train, lengths=data.train_lengths, pad_id=data.pad_id, data_parallel=pipeline is None
+        )
         if dcfg.balance != "off" and env.active:
             if dcfg.strategy != "ddp" and dcfg.balance == "on":
                 raise RecipeError(
@@ -348,11 +360,20 @@ def _train(
         batches = loader.forever()
         while step < steps:
             step_loss = None
-            while True:  # this rank's micro-batches of the step; gradients sync on the last
+            while pipeline is not None:  # the global batch, micro-batched through the stages
+                batch = next(batches)
+                with session.autocast():
+                    value = pipeline.step(batch, broadcast_loss=True)
+                # every rank holds the loss; rank 0's alone makes the sum over ranks at log points
+                step_loss = torch.tensor(float(value) if env.is_main else 0.0, dtype=torch.float64)
+                tokens_seen += batch.real_tokens if env.is_main else 0
+                if getattr(batch, "step_end", True):
+                    break
+            while pipeline is None:  # this rank's micro-batches of the step; gradients sync on the last
                 batch = next(batches)
                 weight = getattr(batch, "weight", 1.0)
                 with gradient_sync(model, getattr(batch, "step_end", True)):
-                    timed = balancer.timed(batch.shape[0], session.device) if balancer else nullcontext()
+                    timed = balancer.timed(*batch.shape, session.device) if balancer else nullcontext()
                     with timed, session.autocast():
                         loss = loss_of(model(**batch))
                     # DDP and FSDP average gradients over ranks: scaled by world_size x this batch's

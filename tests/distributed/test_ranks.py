@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 # Bucketed rows of different lengths, so micro-batches differ in targets and the token weighting
 # is exercised; one optimizer kernel, so separate runs cannot time `auto` differently.
 RECIPE = (
@@ -160,3 +162,15 @@ def test_torchrun_restarts_the_ranks_and_they_resume_from_the_checkpoint(tmp_pat
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out.read_text())
     assert len(result["loss"]) == 300 and result["resumed_from_step"] >= 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_stages_follow_one_process(tmp_path, schedule):
+    one = train(
+        tmp_path, "one", "--steps", "4", recipe=RECIPE.replace("batches_per_step=2", "batches_per_step=1")
+    )
+    spec = RECIPE.replace("batches_per_step=2", "batches_per_step=1")
+    spec += f'+distributed.strategy="pipeline"+distributed.pipeline_schedule="{schedule}"+distributed.microbatches=4'
+    piped = train(tmp_path, "piped", "--steps", "4", nproc=2, recipe=spec)
+    _close(piped["loss"], one["loss"], 1e-5)
+    assert piped["pipeline_stages"] == [0] and piped["distributed_strategy"] == "pipeline"

@@ -104,3 +104,45 @@ def test_position_resumes_and_a_changed_global_batch_is_refused():
         _shards(0, 1, 4).load_state_dict(state)
     with pytest.raises(RecipeError, match="multiple of the world size"):
         _shards(0, 2, 3)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def set_shares(self, shares, from_step):
+        self.calls.append((shares, from_step))
+
+
+def _balancer(mode="auto"):
+    from slipstream.distributed.balance import LoadBalancer
+    from slipstream.distributed.env import DistEnv
+
+    shards = _Recorder()
+    return LoadBalancer(shards, DistEnv(rank=0, world_size=2), mode, every=10, lead_steps=3), shards
+
+
+def test_auto_balance_turns_on_for_a_steadily_slower_rank_and_splits_by_speed():
+    rng = np.random.default_rng(0)
+    balancer, shards = _balancer()
+    for window in range(3):
+        # per-step seconds per token: the step's own cost (bucket length) times each rank's speed
+        base = rng.uniform(1.0, 3.0, size=10)
+        by_rank = [list(base * rng.normal(1, 0.02, 10)), list(2 * base * rng.normal(1, 0.02, 10))]
+        balancer._decide(by_rank, global_step=10 * (window + 1))
+    assert balancer.active  # after the second uneven window, not the first
+    assert shards.calls[0][1] == 23 and len(shards.calls) == 2
+    fast, slow = shards.calls[-1][0]
+    assert abs(fast - 2 / 3) < 0.03 and abs(slow - 1 / 3) < 0.03
+
+
+def test_auto_balance_stays_off_for_noise_and_one_odd_window():
+    rng = np.random.default_rng(1)
+    balancer, shards = _balancer()
+    for window in range(6):
+        base = rng.uniform(1.0, 3.0, size=10)
+        slow = 1.5 if window == 2 else 1.0  # one window where rank 1 was held up
+        by_rank = [list(base * rng.normal(1, 0.1, 10)), list(slow * base * rng.normal(1, 0.1, 10))]
+        balancer._decide(by_rank, global_step=10 * (window + 1))
+    assert not balancer.active and shards.calls == []
+    assert len(balancer.history) == 6

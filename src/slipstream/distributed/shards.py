@@ -59,7 +59,7 @@ class StepShards:
         self.accumulate = batches_per_step // world_size
         self.epoch = 0
         self.step = 0  # the next step within the epoch
-        self._shares: list[tuple[int, list[float]]] = []  # (from global step, shares), ascending
+        self._shares: list[tuple[int, list[float] | None]] = []  # (from global step, shares), ascending
         self.global_step = 0
         self._steps = self._group(self.epoch)
         if not self._steps:
@@ -90,15 +90,17 @@ class StepShards:
 
     # -- shares -------------------------------------------------------------------------------------
 
-    def set_shares(self, shares: list[float], from_step: int) -> None:
-        """Split steps >= `from_step` (global) in proportion to `shares` (one per rank). Every rank
-        must make the same call: the split is not communicated."""
-        if len(shares) != self.world_size or min(shares) <= 0:
+    def set_shares(self, shares: list[float] | None, from_step: int) -> None:
+        """Split steps >= `from_step` (global) in proportion to `shares` (one per rank; None: the
+        equal split of whole planned batches). Every rank must make the same call: the split is
+        not communicated."""
+        if shares is not None and (len(shares) != self.world_size or min(shares) <= 0):
             raise ValueError(f"shares {shares} must be {self.world_size} positive numbers")
-        self._shares = [(s, v) for s, v in self._shares if s < from_step] + [(from_step, list(shares))]
+        kept = [(s, v) for s, v in self._shares if s < from_step]
+        self._shares = kept + [(from_step, None if shares is None else list(shares))]
 
     def shares_at(self, global_step: int) -> list[float] | None:
-        current = None
+        current: list[float] | None = None
         for start, shares in self._shares:
             if start <= global_step:
                 current = shares
