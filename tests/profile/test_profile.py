@@ -16,9 +16,11 @@ import torch
 from slipstream import machine
 from slipstream.profile import CaptureConfig, analyze, capture_script, mark_step
 from slipstream.profile import capture as capture_mod
-from slipstream.profile.analyze import find_fp32_matmuls, locate, time_breakdown
 from slipstream.profile.capture import Capture, CompileRecord, Event
 from slipstream.profile.cli import main
+from slipstream.profile.findings.precision import find_fp32_matmuls
+from slipstream.profile.source import locate
+from slipstream.profile.tables import time_breakdown
 from slipstream.recipe import RecipeError
 
 SCRIPTS = Path(__file__).parent / "scripts"

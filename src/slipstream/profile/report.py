@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe import atomic_write_text
-from .analyze import ProfileResult, relative
+from .analyze import ProfileResult
+from .source import relative
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
 
