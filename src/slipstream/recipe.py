@@ -137,7 +137,7 @@ class OptimizerConfig:
     schedule: Literal["constant", "cosine", "linear", "one-cycle"] = "constant"
     """Learning rate after the warm-up: constant; cosine or linear decay to final_lr_ratio * lr at
     the run's last step; or one-cycle (cosine rise from lr/25 over the warm-up, 30% of the run
-    when warmup_steps=0, then cosine fall to final_lr_ratio * lr). See slipstream.tune.schedules."""
+    when warmup_steps=0, then cosine fall to final_lr_ratio * lr). See slipstream.schedules."""
 
     final_lr_ratio: float = 0.1
     """cosine, linear and one-cycle: the learning rate at the last step as a fraction of lr."""

@@ -269,7 +269,7 @@ class Session:
         """Attach the recipe's learning-rate schedule; decaying schedules need `total_steps`."""
         cfg = self.recipe.optimizer
         if cfg.warmup_steps > 0 or cfg.schedule != "constant":
-            from .tune.schedules import build_scheduler  # torch only, no Optuna
+            from .schedules import build_scheduler
 
             self.schedulers[id(optimizer)] = build_scheduler(optimizer, cfg, total_steps)
         return optimizer
