@@ -14,7 +14,7 @@ from slipstream.cli import build_parser, main, resolve_workload, workload_flags
 from slipstream.recipe import RecipeError
 from slipstream.workloads import get_workload, workload_slug
 from slipstream.workloads.corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-from slipstream.workloads.user import CUSTOM_SIZE, parse_user_name, user_workload_name
+from slipstream.workloads.user import CUSTOM_SIZE, parse_user_name, user_workload, user_workload_name
 from slipstream.workloads.user_data import load_tokenizer, read_documents
 from user_helpers import GPT2_FACTORY, paragraphs, train_tokenizer, write_module, write_text
 
@@ -119,8 +119,7 @@ def test_validation_split_is_deterministic_nonempty_and_disjoint(tmp_path):
     write_text(tmp_path / "n.txt", n=80)
     name = user_workload_name(data="n.txt")
     a = get_workload(name).load_data()
-    get_workload.__globals__["_USER_WORKLOADS"].clear()  # a fresh build reads the cache
-    b = get_workload(name).load_data()
+    b = user_workload(name).load_data()  # a fresh build (not get_workload's memo) reads the cache
     assert texts_of(a.validation) == texts_of(b.validation) and len(a.validation) >= 1
     assert len(a.train) + len(a.validation) == 80
     assert not {tuple(d) for d in texts_of(a.train)} & {tuple(d) for d in texts_of(a.validation)}

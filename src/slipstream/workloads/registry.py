@@ -55,18 +55,37 @@ def register_workload(workload: Workload) -> Workload:
     return workload
 
 
-_USER_WORKLOADS: dict[str, Workload] = {}
+class _NamedFamily:
+    """Workloads built from a self-describing name (`user:...`): how to build one and its slug."""
+
+    def __init__(self, build: Callable[[str], Workload], slug: Callable[[str], str]):
+        self.build, self.slug = build, slug
+        self.built: dict[str, Workload] = {}
+
+
+# Families register themselves (workloads/user.py: "user"); the registry imports none of them, so
+# a family can use the registry's built-in workloads without an import cycle.
+_FAMILIES: dict[str, _NamedFamily] = {}
+
+
+def register_family(prefix: str, build: Callable[[str], Workload], slug: Callable[[str], str]) -> None:
+    """Names `prefix:...` are workloads `build(name)` makes (once per name), filed as `slug(name)`."""
+    _FAMILIES[prefix] = _NamedFamily(build, slug)
+
+
+def _family(name: str) -> _NamedFamily | None:
+    prefix, sep, _ = name.partition(":")
+    return _FAMILIES.get(prefix) if sep else None
 
 
 def get_workload(name: str) -> Workload:
     """A registered workload, or the user's own built from its self-describing `user:...` name
     (so a name handed to a subprocess rebuilds the same model and data there)."""
-    if name.startswith("user:"):
-        if name not in _USER_WORKLOADS:
-            from .user import user_workload
-
-            _USER_WORKLOADS[name] = user_workload(name)
-        return _USER_WORKLOADS[name]
+    family = _family(name)
+    if family is not None:
+        if name not in family.built:
+            family.built[name] = family.build(name)
+        return family.built[name]
     if name not in WORKLOADS:
         raise RecipeError(
             f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))} "
@@ -77,11 +96,8 @@ def get_workload(name: str) -> Workload:
 
 def workload_slug(name: str) -> str:
     """The name where it must be a file name (a user workload's name holds paths)."""
-    if name.startswith("user:"):
-        from .user import parse_user_name
-
-        return parse_user_name(name).slug
-    return name
+    family = _family(name)
+    return family.slug(name) if family is not None else name
 
 
 def _gpt_stdlib_data() -> WorkloadData:

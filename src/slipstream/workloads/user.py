@@ -27,7 +27,7 @@ from urllib.parse import quote, unquote
 from torch import nn
 
 from ..recipe import RecipeError
-from .registry import Workload, WorkloadData
+from .registry import Workload, WorkloadData, get_workload, register_family
 
 PREFIX = "user:"
 CUSTOM_SIZE = "custom"
@@ -207,8 +207,6 @@ class UserWorkload:
         if self.spec.data is None:
             if self.spec.tokenizer is not None:
                 raise RecipeError("--tokenizer needs --data (the built-in corpus is byte tokens)")
-            from .registry import get_workload
-
             return get_workload("gpt-stdlib").load_data()
         from .user_data import load_user_corpus
 
@@ -240,3 +238,6 @@ class UserWorkload:
 
 def user_workload(name: str) -> Workload:
     return UserWorkload(parse_user_name(name)).workload(name)
+
+
+register_family("user", user_workload, lambda name: parse_user_name(name).slug)
