@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from slipstream.cli import build_parser, main, resolve_workload, workload_flags
+from slipstream.cli import build_parser, main
+from slipstream.commands import resolve_workload, workload_flags
 from slipstream.recipe import RecipeError
 from slipstream.workloads import get_workload, workload_slug
 from slipstream.workloads.corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE

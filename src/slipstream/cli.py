@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .commands import (
+    add_command,
+    add_workload_arguments,
+    progress_printer,
+    resolve_workload,
+)
 from .presets import resolve_recipe
 from .recipe import RecipeError, write_json
 
@@ -42,71 +46,6 @@ EXAMPLES = {
   slipstream recipe --fields                  # every field, its choices and what it does
 """,
 }
-
-
-def add_command(subparsers, name: str, help_: str, epilog: str) -> argparse.ArgumentParser:
-    """A subcommand whose --help shows its description and examples verbatim."""
-    return subparsers.add_parser(
-        name,
-        help=help_,
-        description=help_,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """--workload/--size, or the user's own --model/--data/--tokenizer: every command that trains
-    takes the same flags; resolve_workload() turns them into one workload name."""
-    g = p.add_argument_group("workload (default: the built-in gpt-stdlib; see docs/own-model.md)")
-    g.add_argument("--workload", default=DEFAULT_WORKLOAD, help="registered workload (default: gpt-stdlib)")
-    g.add_argument(
-        "--size",
-        default=DEFAULT_SIZE,
-        help="built-in GPT size: tiny, small, gpt2-124m (default: tiny; `custom` with --model)",
-    )
-    g.add_argument("--model", metavar="MODULE:FACTORY", help="your model: FACTORY() returns an nn.Module")
-    g.add_argument("--data", metavar="PATH", help="your text: .txt, .jsonl, a folder, or a datasets folder")
-    g.add_argument(
-        "--tokenizer", metavar="PATH", help="a local Hugging Face tokenizer folder (default: bytes)"
-    )
-    g.add_argument(
-        "--text-field", default="text", help="JSONL field / dataset column of the text (default: text)"
-    )
-
-
-DEFAULT_WORKLOAD, DEFAULT_SIZE = "gpt-stdlib", "tiny"
-
-
-def resolve_workload(args: argparse.Namespace) -> None:
-    """Set args.workload and args.size from the workload flags (a `user:...` name when any of
-    --model/--data/--tokenizer is given, so subprocesses get the same workload by name). The
-    defaults are real values, so a handler reached without this call still runs gpt-stdlib."""
-    if not hasattr(args, "text_field"):
-        return  # a command without workload flags
-    from .workloads.user import CUSTOM_SIZE, PREFIX, user_workload_name
-
-    if any(getattr(args, k) for k in ("model", "data", "tokenizer")):
-        if args.workload != DEFAULT_WORKLOAD:
-            raise RecipeError(
-                "--workload names a built-in workload; drop it when passing --model/--data/--tokenizer"
-            )
-        if args.model and args.size not in (DEFAULT_SIZE, CUSTOM_SIZE):
-            raise RecipeError(f"--size {args.size} sizes the built-in GPT; your --model decides its own size")
-        args.workload = user_workload_name(args.model, args.data, args.tokenizer, args.text_field)
-        args.size = CUSTOM_SIZE if args.model else args.size
-    elif args.workload.startswith(PREFIX) and "model=" in args.workload and args.size == DEFAULT_SIZE:
-        args.size = CUSTOM_SIZE  # a pasted user:model=... name: its model has the one size
-
-
-def workload_flags(workload: str, size: str) -> str:
-    """The command-line flags that select `workload` (for printed commands a user can paste)."""
-    if not workload.startswith("user:"):
-        return f"--workload {workload} --size {size}"
-    from .workloads.user import parse_user_name
-
-    spec = parse_user_name(workload)
-    return " ".join(spec.flags() + ([] if spec.model else [f"--size {size}"]))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -199,33 +138,6 @@ def _strip_options(argv: list[str], names: set[str]) -> list[str]:
         elif a.split("=", 1)[0] not in names:
             out.append(a)
     return out
-
-
-@contextlib.contextmanager
-def progress_printer(label: str) -> Iterator[Callable[[str], None]]:
-    """Yields `say(msg)`: a live status line on a terminal, plain time-stamped lines on stderr
-    otherwise (logs, CI, `make demo | tee`)."""
-    import time
-
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if console.is_terminal:
-        with console.status(label) as status:
-
-            def say(msg: str) -> None:
-                status.update(f"{label}: {msg}")
-                if msg.startswith(("round", "skipping")):
-                    console.print(f"  {msg}", highlight=False)
-
-            yield say
-        return
-    t0 = time.perf_counter()
-
-    def say_plain(msg: str) -> None:
-        print(f"[{label} {time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
-
-    yield say_plain
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -512,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile(sub)
     add_tune(sub)
     add_serve(sub)
-    add_optimize(sub, add_command, add_workload_arguments)
+    add_optimize(sub)
     return parser
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
+from ..commands import add_command, add_workload_arguments, progress_printer, workload_flags
 from ..recipe import RecipeError, write_json
 
 EXAMPLES = """examples:
@@ -27,7 +27,6 @@ def parse_budget(text: str) -> float:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from ..cli import progress_printer
     from .report import markdown, write_outputs
     from .search import optimize
 
@@ -50,15 +49,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     write_json(args.json, payload)
     print(markdown(payload))
     print(f"recipe: {paths['recipe']}  report: {paths['html']} (and .md, .json)")
-    from ..cli import workload_flags
-
     print(
         f"train with it: slipstream train {workload_flags(args.workload, args.size)} --recipe {paths['recipe']}"
     )
     return 0
 
 
-def add_parser(subparsers: Any, add_command, add_workload_arguments) -> None:
+def add_parser(subparsers: Any) -> None:
     from .search import DEFAULT_STAGES, STAGES
 
     p = add_command(
@@ -87,9 +84,3 @@ def add_parser(subparsers: Any, add_command, add_workload_arguments) -> None:
     p.add_argument("--out", default="optimize-out", help="folder for recipe.toml and the reports")
     p.add_argument("--json", help="also write the JSON result here")
     p.set_defaults(fn=cmd_optimize)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["optimize", *sys.argv[1:]]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_command, add_workload_arguments, resolve_workload
+from ..commands import add_command, add_workload_arguments, resolve_workload
 
 DESCRIPTION = (
     "profile a few training steps (the built-in loop, or your script after `--`) and report where the "

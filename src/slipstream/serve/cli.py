@@ -12,7 +12,7 @@ import asyncio
 import os
 import sys
 
-from ..cli import add_command
+from ..commands import add_command
 from ..recipe import write_json
 
 EXAMPLES = {

@@ -8,8 +8,8 @@
 Optuna is imported only by the modules that need it, so `import slipstream.tune` works without it.
 """
 
-from .lr_finder import LRFindResult, lr_find, lr_find_workload, plot_lr_find, range_test
 from ..schedules import SCHEDULES, build_scheduler, lr_curve, lr_multiplier
+from .lr_finder import LRFindResult, lr_find, lr_find_workload, plot_lr_find, range_test
 
 __all__ = [
     "SCHEDULES",

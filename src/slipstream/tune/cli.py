@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..cli import add_command, add_workload_arguments, resolve_workload
+from ..commands import add_command, add_workload_arguments, resolve_workload
 from ..presets import resolve_recipe
 from ..recipe import RecipeError, write_json
 
