@@ -79,7 +79,7 @@ CASES = {"gpt-stdlib-tiny": gpt_step, "mlp-script": mlp_step}
 
 
 def measure(step: Callable[[], None], light: bool, cycles: int) -> dict[str, object]:
-    from slipstream.profile.capture import make_profiler
+    from slipstream.profile.steps import make_profiler
 
     prof = make_profiler(
         light=light,

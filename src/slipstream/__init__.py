@@ -4,7 +4,7 @@ Public API: Recipe (and its sections), presets, Session, train. Importing has no
 """
 
 from .presets import PRESETS, get_preset, resolve_recipe
-from .profile.capture import mark_step
+from .profile.steps import mark_step
 from .recipe import (
     CompileConfig,
     KernelsConfig,

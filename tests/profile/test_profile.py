@@ -15,11 +15,11 @@ import torch
 
 from slipstream import machine
 from slipstream.profile import CaptureConfig, analyze, capture_script, mark_step
-from slipstream.profile import capture as capture_mod
-from slipstream.profile.capture import Capture, CompileRecord, Event
 from slipstream.profile.cli import main
 from slipstream.profile.findings.precision import find_fp32_matmuls
+from slipstream.profile.records import Capture, CompileRecord, Event
 from slipstream.profile.source import locate
+from slipstream.profile.steps import bf16_verdict, capture_active
 from slipstream.profile.tables import time_breakdown
 from slipstream.recipe import RecipeError
 
@@ -142,7 +142,7 @@ def test_mark_step_closes_steps_without_an_optimizer():
 
 def test_mark_step_outside_a_profile_does_nothing():
     mark_step()  # no capture: must not raise or record
-    assert capture_mod._ACTIVE is None
+    assert not capture_active()
 
 
 def test_capture_leaves_no_hooks_behind():
@@ -151,7 +151,7 @@ def test_capture_leaves_no_hooks_behind():
     before = dict(_global_optimizer_post_hooks)
     profiled("sync_item.py")
     assert dict(_global_optimizer_post_hooks) == before
-    assert capture_mod._ACTIVE is None
+    assert not capture_active()
     if "torch._dynamo" in __import__("sys").modules:
         from torch._dynamo.callback import callback_handler
 
@@ -249,7 +249,7 @@ def test_fp32_matmul_advice_only_where_bf16_pays(pays):
 )
 def test_capture_reads_whether_bf16_pays_from_the_probe(monkeypatch, ratio, pays):
     monkeypatch.setattr(machine, "probe", lambda device=None, **kw: fed_probe(ratio))
-    got, verdict = capture_mod.bf16_verdict("cpu")
+    got, verdict = bf16_verdict("cpu")
     assert got is pays
     assert f"({ratio:.2f}x)" in verdict and "fp32 119.0 GFLOP/s" in verdict
 

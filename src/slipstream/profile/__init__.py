@@ -8,7 +8,9 @@
 """
 
 from .analyze import ANALYZERS, Finding, ProfileResult, analyze, op_table, overhead, time_breakdown
-from .capture import Capture, CaptureConfig, capture_script, capture_workload, mark_step
+from .capture import capture_script, capture_workload
+from .records import Capture, CaptureConfig
+from .steps import mark_step
 
 
 def profile_workload(

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .capture import Capture
 from .findings.copies import find_unpinned_copies
 from .findings.data import find_data_starvation
 from .findings.launches import find_launch_bound
@@ -21,6 +20,7 @@ from .findings.padding import find_padding_waste
 from .findings.precision import find_fp32_matmuls
 from .findings.recompiles import find_recompiles
 from .findings.syncs import find_host_syncs
+from .records import Capture
 from .tables import op_table, overhead, time_breakdown
 from .trace import SEVERITY_ORDER, Finding, active_us, step_count
 

@@ -57,7 +57,7 @@ def handler(args: argparse.Namespace) -> int:
     from ..presets import resolve_recipe
     from ..recipe import RecipeError
     from . import analyze, capture_script, capture_workload
-    from .capture import CaptureConfig
+    from .records import CaptureConfig
     from .report import render, write_json
 
     command = list(args.script_command or [])

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from .capture import is_user_file, parse_frame
+from .frames import is_user_file, parse_frame
 
 
 def caller_frame(stack: Sequence[str]) -> tuple[str, int, str] | None:

@@ -7,7 +7,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from .capture import Capture, Event
+from .records import Capture, Event
 from .trace import CUDA_SYNC_CALLS, active_events, active_us, step_count, sync_events, top_level_ops
 
 # ----------------------------------------------------------------------------- tables

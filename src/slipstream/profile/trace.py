@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from .capture import Capture, Event
+from .records import Capture, Event
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..capture import Capture
+from ..records import Capture
 from ..source import locate, user_frame
 from ..trace import Finding, active_events, active_us, stack_of, step_count
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..capture import Capture
+from ..records import Capture
 from ..source import locate, user_frame
 from ..trace import Finding, active_us, data_events, severity_for, stack_of, step_count
 

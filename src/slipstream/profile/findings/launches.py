@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..capture import Capture
+from ..records import Capture
 from ..tables import _union_us
 from ..trace import SMALL_OP_US, Finding, active_events, active_us, severity_for, step_count, top_level_ops
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..capture import Capture, Event
+from ..records import Capture, Event
 from ..source import locate, user_frame
 from ..trace import Finding, active_events, active_us, severity_for, stack_of
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..capture import Capture
+from ..records import Capture
 from ..trace import Finding, severity_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..capture import Capture
+from ..records import Capture
 from ..source import user_frame
 from ..trace import (
     MATMUL_OPS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from ..capture import Capture
+from ..records import Capture
 from ..trace import Finding, severity_for
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..capture import Capture, is_user_file
+from ..frames import is_user_file
+from ..records import Capture
 from ..source import caller_frame, locate
 from ..trace import Finding, Severity, active_us, ancestors, stack_of, step_count, sync_events
 
