@@ -34,8 +34,8 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 from benchmarks import hf_models  # noqa: E402
 
 from slipstream import Session  # noqa: E402
+from slipstream.bench.contenders import matched_loader  # noqa: E402
 from slipstream.bench.hf_peers import pad_batch  # noqa: E402
-from slipstream.bench.runner import matched_loader  # noqa: E402
 from slipstream.doctor import machine_info  # noqa: E402
 from slipstream.models import loss_of  # noqa: E402
 from slipstream.parity import judge_parity, noise_band, parity  # noqa: E402

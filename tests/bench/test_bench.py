@@ -128,7 +128,8 @@ def test_parity_is_judged_against_the_seed_band_measured_in_the_run(result):
 
 
 def test_every_contender_trains_on_the_references_real_tokens_per_step():
-    from slipstream.bench.runner import RecipeContender, real_tokens_per_step
+    from slipstream.bench.contenders import real_tokens_per_step
+    from slipstream.bench.runner import RecipeContender
     from slipstream.workloads import get_workload
 
     data = get_workload("gpt-stdlib").load_data()

@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from slipstream.bench import run_bench
 from slipstream.bench.hf_peers import HFTrainerFlatPeer, HFTrainerPeer, pad_batch, token_counts
-from slipstream.bench.peers import PeerUnavailable
+from slipstream.bench.peer_base import PeerUnavailable
 from slipstream.presets import resolve_recipe
 from slipstream.shapes.loader import IGNORE_INDEX
 from slipstream.workloads.registry import WORKLOADS, Workload, WorkloadData, register_workload

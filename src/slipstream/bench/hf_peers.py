@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from ..shapes.loader import IGNORE_INDEX
-from .peers import PEERS, PeerUnavailable, _PeerBase, _quiet_loggers
-from .runner import RoundStats, _sync, real_tokens_per_step
+from .contenders import RoundStats, real_tokens_per_step, sync_device
+from .peer_base import PEERS, PeerBase, PeerUnavailable, quiet_loggers
 
 _FOREVER = 10**9
 """The Trainer's max_steps: the benchmark, not the Trainer, decides when training ends."""
@@ -100,7 +100,7 @@ class _Round:
         )
 
 
-class _TrainerPeer(_PeerBase):
+class _TrainerPeer(PeerBase):
     flatten = False
     sampling = "group_by_length"
 
@@ -191,7 +191,7 @@ class _TrainerPeer(_PeerBase):
         self._done: queue.Queue[BaseException | None] = queue.Queue()
         self._round: _Round | None = None
         self._failed: BaseException | None = None
-        with _quiet_loggers("transformers", "accelerate"):
+        with quiet_loggers("transformers", "accelerate"):
             self.trainer = Trainer(
                 model=self.model, args=args, train_dataset=docs, data_collator=collate, callbacks=[Rounds()]
             )
@@ -244,11 +244,11 @@ class _TrainerPeer(_PeerBase):
         if self._failed is not None:
             raise RuntimeError(f"{self.name}: the Trainer's thread has stopped ({self._failed!r})")
         r = _Round(real_token_budget, max_steps, max_seconds)
-        _sync(self.device)
+        sync_device(self.device)
         r.t0 = time.perf_counter()
         self._go.put(r)
         self._wait()
-        _sync(self.device)
+        sync_device(self.device)
         seconds = time.perf_counter() - r.t0
         losses = torch.stack(r.losses).float().tolist()
         return RoundStats(seconds, r.real, r.padded, r.steps, 0.0, losses)
