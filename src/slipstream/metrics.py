@@ -1,7 +1,9 @@
 """Step accounting with units in every field name.
 
 The loader reports each batch (real and padded tokens, time spent preparing it); `Session.step`
-closes the step. Nothing here reads device tensors, so accounting never forces a host sync.
+closes the step. Nothing here reads device tensors. On CUDA the end of a step waits for the device
+(one `torch.cuda.synchronize` per step): kernels run asynchronously, so without it a step's time
+would be the time to *launch* its kernels, and every tokens/s figure would be wrong.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class MetricsTracker:
         self._pending_shape = getattr(batch, "shape", None)
 
     def end_step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step ends when its kernels have run
         now = time.perf_counter()
         start = self._step_start if self._step_start is not None else self._last_step_end
         if start is None:
