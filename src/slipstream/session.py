@@ -66,6 +66,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
+        if torch.cuda.is_available():
+            # deterministic cuBLAS needs a fixed workspace, or its first call raises; a user's own
+            # setting is kept (issue 17 wants process-wide state restored after the run)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=False)
         torch.backends.cudnn.benchmark = False
 
