@@ -3,12 +3,15 @@ logic under test only decides *whether and how* to call them. docs/gpu.md lists 
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
 import torch
+from torch import nn
 
 from slipstream.metrics import MetricsTracker
+from slipstream.precision import apply_fp8
 from slipstream.session import seed_everything
 
 # ----------------------------------------------------------------------------- step times wait for the device
@@ -55,3 +58,39 @@ def test_deterministic_keeps_a_users_cublas_workspace(monkeypatch, restore_deter
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     seed_everything(0, deterministic=False)  # not asked for: nothing set
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+# ----------------------------------------------------------------------------- fp8: batch x length not a multiple of 16
+
+
+def test_fp8_pads_the_weight_gradients_inner_dim_to_16(monkeypatch):
+    """3 x 5 = 15 tokens: the weight gradient's matmul contracts over them, and torch._scaled_mm
+    needs a multiple of 16. torchao's emulation runs the same padding logic on CPU."""
+    pytest.importorskip("torchao.float8")
+    import torchao.float8.float8_ops as ops
+
+    padded: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    pad = ops.pad_tensor_for_matmul
+
+    def spy(t, dims):
+        out = pad(t, dims)
+        padded.append((tuple(t.shape), tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(ops, "pad_tensor_for_matmul", spy)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    fp8 = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32))
+    unpadded = copy.deepcopy(fp8)
+    assert apply_fp8(fp8, emulate=True) == {"fp8_linears": 2}
+    assert all(m.config.pad_inner_dim for m in fp8.modules() if type(m).__name__ == "Float8Linear")
+    x = torch.randn(3, 5, 32)
+    fp8(x).sum().backward()
+    assert ((32, 15), (32, 16)) in padded and ((15, 48), (16, 48)) in padded  # grad_weight, layer 1
+    # torchao's default leaves 15 as it is (fine in emulation, an error in torch._scaled_mm on a GPU);
+    # the zero padding changes no gradient
+    convert_to_float8_training(unpadded, config=Float8LinearConfig(emulate=True))
+    unpadded(x).sum().backward()
+    for a, b in zip(fp8.parameters(), unpadded.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

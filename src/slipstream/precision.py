@@ -99,10 +99,17 @@ def autocast(precision: str, device: torch.device, *, cache_enabled: bool = True
         yield
 
 
-def apply_fp8(model: nn.Module) -> dict[str, object]:
-    """Swap nn.Linear layers for torchao float8 training layers (in place; state_dict keys unchanged)."""
+def apply_fp8(model: nn.Module, *, emulate: bool = False) -> dict[str, object]:
+    """Swap nn.Linear layers for torchao float8 training layers (in place; state_dict keys unchanged).
+
+    float8 matmuls need every inner dimension to be a multiple of 16. The features are (see
+    `eligible`); the flattened batch x length is the inner dimension of the weight gradient, and
+    planned shapes (multiples of 8, free batch sizes), a last partial batch or a user's loader do not
+    promise it, so `pad_inner_dim` zero-pads it to the next multiple of 16 for the matmul (torchao's
+    default is off: `torch._scaled_mm` then raises in backward). `emulate` runs the float8 math in
+    plain torch (tests on CPU)."""
     try:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
         raise RecipeError(
             "precision.dtype=fp8 needs torchao: `pip install torchao` (or the slipstream[gpu] extra)"
@@ -115,7 +122,8 @@ def apply_fp8(model: nn.Module) -> dict[str, object]:
         return module.in_features % 16 == 0 and module.out_features % 16 == 0 and "lm_head" not in fqn
 
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
-    convert_to_float8_training(model, module_filter_fn=eligible)
+    config = Float8LinearConfig(pad_inner_dim=True, emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)
     after = sum(type(m) is nn.Linear for m in model.modules())
     return {"fp8_linears": before - after}
 
