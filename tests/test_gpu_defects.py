@@ -94,3 +94,36 @@ def test_fp8_pads_the_weight_gradients_inner_dim_to_16(monkeypatch):
     unpadded(x).sum().backward()
     for a, b in zip(fp8.parameters(), unpadded.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+# ----------------------------------------------------------------------------- the MFU peak on a GPU
+
+
+def test_cuda_probe_measures_large_matmuls_and_mfu_takes_the_best(monkeypatch, tmp_path):
+    from slipstream import machine
+    from slipstream.bench.runner import peak_flops_from_probe
+
+    asked: list[tuple[str, tuple[int, ...]]] = []
+
+    def matmul(device, dtypes, sizes=machine.MATMUL_SIZES):
+        asked.append((device.type, tuple(sizes)))
+        # H100-like: tensor cores far from their peak at 1024^2
+        return {
+            "fp32": {str(n): 50e12 for n in sizes},
+            "bf16": {str(n): (300e12 if n <= 1024 else 700e12 + n * 1e9) for n in sizes},
+        }, {"fp16": "not measured (test)"}
+
+    gpu = type("Props", (), {"name": "Fake H200", "major": 9, "minor": 0})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(machine, "_MEMO", {})
+    monkeypatch.setattr(machine, "measure_matmul", matmul)
+    monkeypatch.setattr(machine, "measure_copy", lambda device: {"host_memcpy": 1e10})
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    p = machine.probe("cuda")
+    assert asked == [("cuda", machine.CUDA_MATMUL_SIZES)] and max(machine.CUDA_MATMUL_SIZES) >= 8192
+    assert p.fingerprint["matmul_sizes"] == list(machine.CUDA_MATMUL_SIZES)  # older GPU probes are stale
+    peak = peak_flops_from_probe(torch.device("cuda"))
+    assert peak["bf16"] == 700e12 + 8192e9  # the best size, not 1024^2's 300e12
+    assert peak["fp16"] == 50e12  # unmeasured: fp32's figure
+    assert machine.matmul_sizes(torch.device("cpu")) == machine.MATMUL_SIZES == (256, 512, 1024)

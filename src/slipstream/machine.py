@@ -37,6 +37,15 @@ PROBE_VERSION = 1
 MATMUL_SIZES = (256, 512, 1024)
 """Square matmul sizes measured per dtype: the hidden sizes of the models we train on CPUs."""
 
+CUDA_MATMUL_SIZES = (1024, 2048, 4096, 8192)
+"""The sizes on a GPU, whose tensor cores reach their peak only on large matmuls (a 1024^2 one is far
+below it: as the MFU denominator it would inflate MFU). The best over these is the peak."""
+
+
+def matmul_sizes(device: torch.device) -> tuple[int, ...]:
+    return CUDA_MATMUL_SIZES if device.type == "cuda" else MATMUL_SIZES
+
+
 MATMUL_SECONDS = 0.12
 """Time spent timing one (dtype, size) pair; the first call is a warm-up outside it."""
 
@@ -173,6 +182,7 @@ def fingerprint(device: torch.device | str = "cpu") -> dict[str, Any]:
         fp["gpu"] = props.name
         fp["gpu_capability"] = f"{props.major}.{props.minor}"
         fp["cuda"] = torch.version.cuda
+        fp["matmul_sizes"] = list(CUDA_MATMUL_SIZES)  # a probe from the 1024^2-only days is stale
     return fp
 
 
@@ -386,7 +396,7 @@ def probe(
     if result is None:
         t0 = time.perf_counter()
         dtypes = ("fp32", "bf16", "fp16")
-        flops, notes = measure_matmul(device, dtypes)
+        flops, notes = measure_matmul(device, dtypes, matmul_sizes(device))
         if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
             notes.setdefault("fp8", "fp8 runs through torchao's float8 training layers; see precision")
         result = MachineProbe(
