@@ -127,3 +127,20 @@ def test_cuda_probe_measures_large_matmuls_and_mfu_takes_the_best(monkeypatch, t
     assert peak["bf16"] == 700e12 + 8192e9  # the best size, not 1024^2's 300e12
     assert peak["fp16"] == 50e12  # unmeasured: fp32's figure
     assert machine.matmul_sizes(torch.device("cpu")) == machine.MATMUL_SIZES == (256, 512, 1024)
+
+
+# ----------------------------------------------------------------------------- bf16 by emulation is not bf16
+
+
+def test_bf16_emulated_by_the_gpu_counts_as_unsupported(monkeypatch):
+    """torch.cuda.is_bf16_supported() says True on a V100 or T4 (emulated, slow) unless asked
+    including_emulation=False; every caller asks that way."""
+    from slipstream import machine
+    from slipstream.precision import _checked_dtype
+    from slipstream.recipe import PrecisionConfig, RecipeError
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    why = machine._dtype_runs(torch.bfloat16, torch.device("cuda"))
+    assert why is not None and "no native bf16" in why
+    with pytest.raises(RecipeError, match="bf16 is not supported by this GPU"):
+        _checked_dtype(PrecisionConfig(dtype="bf16"), torch.device("cuda"))
