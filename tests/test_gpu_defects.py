@@ -8,8 +8,10 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from slipstream.kernels import fused_linear_cross_entropy
 from slipstream.metrics import MetricsTracker
 from slipstream.precision import apply_fp8
 from slipstream.session import seed_everything
@@ -144,3 +146,45 @@ def test_bf16_emulated_by_the_gpu_counts_as_unsupported(monkeypatch):
     assert why is not None and "no native bf16" in why
     with pytest.raises(RecipeError, match="bf16 is not supported by this GPU"):
         _checked_dtype(PrecisionConfig(dtype="bf16"), torch.device("cuda"))
+
+
+# ----------------------------------------------------------------------------- fused cross-entropy: no host sync off the CPU
+
+
+def test_fused_cross_entropy_torch_path_never_syncs_off_the_cpu():
+    """On the meta device any host sync (bool(), .item(), nonzero()) raises: this is how a GPU's
+    torch path runs inside CUDA-graph capture. Forward and backward, every reduction. (The public
+    function's autocast guard knows no meta device, so the op is called below it.)"""
+    from slipstream.kernels.fused_linear_cross_entropy import _apply
+
+    for reduction in ("mean", "sum", "none"):
+        x = torch.empty(24, 16, device="meta", requires_grad=True)
+        w = torch.empty(40, 16, device="meta", requires_grad=True)
+        t = torch.empty(24, dtype=torch.long, device="meta")
+        _apply(x, w, None, t, -100, reduction, "torch", 8).sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fused_cross_entropy_every_row_path_matches_torch(monkeypatch, reduction):
+    """The path GPUs take without Triton (every row computed, ignored ones masked), run on CPU."""
+    import importlib
+
+    flce = importlib.import_module("slipstream.kernels.fused_linear_cross_entropy")
+
+    monkeypatch.setattr(flce, "_skips_ignored_rows", lambda device: False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 40, (30,), generator=g)
+    t[::3] = -100  # padding rows; a whole chunk of them too
+    t[8:16] = -100
+    up = torch.randn(30, generator=g, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7)
+    got = fused_linear_cross_entropy(x, w, t, reduction=reduction, backend="torch", chunk_rows=8)
+    (got * up).sum().backward()
+    gx, gw = x.grad, w.grad
+    x.grad = w.grad = None
+    want = F.cross_entropy(x @ w.T, t, reduction=reduction)
+    (want * up).sum().backward()
+    for a, b in ((got.double(), want), (gx, x.grad), (gw, w.grad)):  # the loss is computed in fp32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

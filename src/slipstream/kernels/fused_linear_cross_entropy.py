@@ -10,8 +10,9 @@ For ``mean``/``sum`` the gradients are computed in the forward pass (the upstrea
 scalar multiply). For ``none`` the upstream gradient is a per-row vector that the weight gradient
 cannot absorb after the fact, so the forward computes only the loss and backward recomputes the chunks.
 
-On the torch path rows whose target is ``ignore_index`` are dropped before the matmul: padding and
-prompt tokens cost nothing (conditional execution without a kernel).
+On the torch path on CPU rows whose target is ``ignore_index`` are dropped before the matmul: padding
+and prompt tokens cost nothing (conditional execution without a kernel). Off the CPU that selection
+would sync with the host (and break CUDA-graph capture), so there every row is computed.
 """
 
 from __future__ import annotations
@@ -46,8 +47,20 @@ def _ce_rows_torch(logits, target, ignore_index: int, row_scale, loss_out, want_
     return probs
 
 
+def _skips_ignored_rows(device: torch.device) -> bool:
+    """Whether the torch path drops ignored rows before the matmul. Finding them reads the target on
+    the host: free on a CPU, a host sync per chunk on a GPU, and a sync inside CUDA-graph capture is
+    an error. Off the CPU every row is computed; ignored rows get loss 0 and a zero gradient from
+    their zero row scale."""
+    return device.type == "cpu"
+
+
 def _chunk_torch(xc, weight, bias, tc, ignore_index, scale_c, loss_c, want_grad):
-    """Loss rows and grad-of-logits for one chunk; only non-ignored rows are computed."""
+    """Loss rows and grad-of-logits for one chunk; on CPU only non-ignored rows are computed."""
+    if not _skips_ignored_rows(xc.device):
+        logits = torch.nn.functional.linear(xc, weight, bias).float()
+        grad = _ce_rows_torch(logits, tc, ignore_index, scale_c, loss_c, want_grad)
+        return (None if grad is None else grad.to(xc.dtype)), (None, xc)
     keep = tc != ignore_index
     all_kept = bool(keep.all())
     loss_c.zero_()
