@@ -56,7 +56,10 @@ class TrainResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("metrics")
-        d.update(self.metrics.to_dict())
+        measured = self.metrics.to_dict()
+        # `steps` counts the whole run (a resumed one included); the metrics' count is this process's
+        measured["steps_this_run"] = measured.pop("steps", None)
+        d.update(measured)
         d.update(d.pop("extra"))
         return d
 
