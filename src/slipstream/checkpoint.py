@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .recipe import out_of_space
+
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -88,8 +90,14 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> Path:
             os.fsync(dir_fd)  # make the rename itself durable
         finally:
             os.close(dir_fd)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        full = out_of_space(err)
+        if full is not None:
+            raise CheckpointError(
+                f"no space left writing checkpoint {path} ({full.strerror}); the previous checkpoint "
+                "is kept; free space or choose another --checkpoint-dir"
+            ) from err
         raise
     return path
 

@@ -17,6 +17,7 @@ rates) and torch's RNG afterwards, so it can run before training the same model.
 from __future__ import annotations
 
 import copy
+import io
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from ..models import loss_of
-from ..recipe import Recipe, RecipeError
+from ..recipe import Recipe, RecipeError, atomic_write_bytes
 
 
 @dataclass
@@ -250,9 +251,10 @@ def plot_lr_find(result: LRFindResult, path: str | Path) -> Path:
     ax.legend()
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=out.suffix[1:] or "png", dpi=110)
     plt.close(fig)
+    atomic_write_bytes(out, buf.getvalue())  # a kill or a full disk never leaves a torn image
     return out
 
 

@@ -5,9 +5,12 @@ Kept apart from the search: nothing here computes a number the JSON reports.
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 from typing import Any
+
+from ..recipe import atomic_write_bytes
 
 
 def write_plots(study: Any, out_dir: Path) -> list[str]:
@@ -39,8 +42,10 @@ def write_plots(study: Any, out_dir: Path) -> list[str]:
         fig.set_size_inches(7, 4.5)
         fig.tight_layout()
         path = out_dir / name
-        fig.savefig(path, dpi=110)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
+        atomic_write_bytes(path, buf.getvalue())  # a kill mid-write never leaves a torn PNG
         written.append(str(path))
     return written
 
