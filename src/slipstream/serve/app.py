@@ -15,6 +15,7 @@ Retry-After when overloaded / not ready / draining, 504 when the deadline passed
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import math
 import signal
@@ -134,6 +135,14 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
+def bearer_matches(header: str | bytes | None, token: str) -> bool:
+    """Whether an Authorization header carries `token`, compared in constant time (`==` stops at the
+    first differing byte, which lets a patient client time the token out byte by byte)."""
+    if isinstance(header, str):
+        header = header.encode("latin-1", "replace")  # ASGI servers decode header bytes as latin-1
+    return hmac.compare_digest(header or b"", f"Bearer {token}".encode())
+
+
 class ShedEarly:
     """ASGI middleware: under overload, refuse POST /v1/score and the generation endpoints with
     503 before reading the body.
@@ -147,7 +156,7 @@ class ShedEarly:
         self.engine = engine
         self.generator = generator
         self.metrics = metrics
-        self.auth = None if token is None else f"Bearer {token}".encode()
+        self.token = token
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -157,8 +166,8 @@ class ShedEarly:
                 err = self.engine.refusal()
             elif path in GENERATION_PATHS and self.generator is not None:
                 err = self.generator.refusal()
-            authorized = (
-                self.auth is None or dict(scope.get("headers") or []).get(b"authorization") == self.auth
+            authorized = self.token is None or bearer_matches(
+                dict(scope.get("headers") or []).get(b"authorization"), self.token
             )
             if err is not None and authorized:
                 self.metrics.requests.labels(path.rsplit("/", 1)[-1], "503").inc()
@@ -228,7 +237,7 @@ def create_app(
     codec = engine.loaded.codec
 
     async def check_token(request: Request) -> None:
-        if token is not None and request.headers.get("authorization") != f"Bearer {token}":
+        if token is not None and not bearer_matches(request.headers.get("authorization"), token):
             raise ServeError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
 
     @app.exception_handler(ServeError)

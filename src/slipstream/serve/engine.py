@@ -60,7 +60,9 @@ class EngineConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute dtype: bf16 runs under autocast."""
     warmup_reps: int = 3
-    """Forward passes per shape at warm-up (the median of all but the first is the shape's latency)."""
+    """Forward passes per shape at warm-up (the median of the steady ones is the shape's latency:
+    all but the first, or but the first two when compiled on CUDA, whose second run records the
+    CUDA graph)."""
     compile: bool = False
     """torch.compile the forward (inductor, weights frozen as constants; a CUDA graph per shape on
     CUDA). Compiling happens during warm-up, before the engine says ready."""
@@ -75,7 +77,8 @@ class EngineConfig:
     compiled, off for eager CPU."""
     workers: int = 1
     """Batches computed concurrently, each on its own thread (on CPUs: one per core group, with
-    torch intra-op threads = cores / workers; on CUDA keep 1)."""
+    torch intra-op threads = cores / workers; on CUDA keep 1: compiled, the forwards replay on one
+    thread anyway, and only the padding and copies run in parallel)."""
 
 
 class ServeError(Exception):
@@ -171,6 +174,16 @@ class ScoreEngine:
         self._executor = ThreadPoolExecutor(
             max_workers=self.config.workers, thread_name_prefix="slipstream-score"
         )
+        # Compiled on CUDA, every forward replays on this one thread, whatever the number of workers
+        # (they still pad and copy batches in parallel): inductor keeps CUDA graphs per thread, and a
+        # replay rewrites its graph's static output, so concurrent replays could overwrite a result
+        # before it is copied out, and each worker would record its own graphs while serving.
+        self._graph_thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-graphs")
+            if replays_on_one_thread(self.config, self.device)
+            else None
+        )
+        self._unsteady_runs = unsteady_warmup_runs(self.config, self.device)
         self._queued_s = 0.0  # predicted compute seconds of the queued requests
         self._inflight_s = 0.0  # ... and of the batches being computed
         self._inflight = 0
@@ -182,8 +195,10 @@ class ScoreEngine:
     def warmup(self, progress: Callable[[str], None] | None = None) -> dict[str, float]:
         """Run every planned shape `warmup_reps` times; record the median latency per shape.
 
-        The first run of a shape (which includes any compile) is left out of the median."""
-        reps = max(2, self.config.warmup_reps)
+        The first run of a shape (which includes any compile) is left out of the median, and on
+        CUDA with compile the second too (it records the CUDA graph)."""
+        skip = self._unsteady_runs
+        reps = max(skip + 1, self.config.warmup_reps)
         shapes = self.plan.shapes
         for k, (b, L) in enumerate(shapes):
             rows = [np.full(L, 1, dtype=np.int64)] * b
@@ -192,7 +207,7 @@ class ScoreEngine:
                 t0 = time.perf_counter()
                 self._forward(rows, b, L)
                 times.append(time.perf_counter() - t0)
-            self.plan.latency_s[(b, L)] = statistics.median(times[1:])
+            self.plan.latency_s[(b, L)] = statistics.median(times[skip:])
             if progress is not None:
                 progress(
                     f"warm-up {k + 1}/{len(shapes)}: {b}x{L} first {times[0]:.2f}s, "
@@ -225,6 +240,8 @@ class ScoreEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._graph_thread is not None:
+            self._graph_thread.shutdown(wait=False, cancel_futures=True)
         return done
 
     @property
@@ -324,7 +341,7 @@ class ScoreEngine:
         if not self._pending:
             try:
                 await asyncio.wait_for(self._available.wait(), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 return False
         return bool(self._pending)
 
@@ -467,10 +484,27 @@ class ScoreEngine:
             x[i, : len(row)] = t
             labels[i, : len(row) - 1] = t[1:]
         x, labels = x.to(self.device), labels.to(self.device)
+        if self._graph_thread is None:
+            nll = self._nll(x, labels)
+        else:
+            nll = self._graph_thread.submit(self._nll, x, labels).result()
+        return [nll[i, : len(row) - 1] for i, row in enumerate(rows)]
+
+    def _nll(self, x: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
         with torch.inference_mode(), _autocast(self.device, self.config.dtype):
             nll = self.loaded.token_nll(self._model, x, labels)
-        nll = nll.float().cpu().numpy()
-        return [nll[i, : len(row) - 1] for i, row in enumerate(rows)]
+        return nll.float().cpu().numpy()  # on the host before this thread's next replay
+
+
+def replays_on_one_thread(config: EngineConfig, device: torch.device) -> bool:
+    """Compiled forwards on CUDA replay CUDA graphs: all of them run on one thread (see ScoreEngine)."""
+    return config.compile and device.type == "cuda"
+
+
+def unsteady_warmup_runs(config: EngineConfig, device: torch.device) -> int:
+    """Warm-up runs per shape left out of its latency: the first (compile, allocator warm-up) and,
+    compiled on CUDA, the second, in which inductor records the shape's CUDA graph."""
+    return 2 if config.compile and device.type == "cuda" else 1
 
 
 def _score_result(nll: np.ndarray, token_logprobs: bool) -> dict:

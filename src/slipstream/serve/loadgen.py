@@ -180,7 +180,7 @@ async def _send(client, url: str, body: bytes, origin: float, rec: _Record, stre
                 data = await resp.read()
                 if status == 200 and "generate" in url:
                     rec.tokens += len(json.loads(data).get("tokens", []))
-    except TimeoutError:
+    except asyncio.TimeoutError:  # aiohttp's timeouts; not the builtin TimeoutError before Python 3.11
         rec.statuses["timeout"] += 1
         return
     except aiohttp.ClientError:
