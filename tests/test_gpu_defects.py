@@ -188,3 +188,28 @@ def test_fused_cross_entropy_every_row_path_matches_torch(monkeypatch, reduction
     (want * up).sum().backward()
     for a, b in ((got.double(), want), (gx, x.grad), (gw, w.grad)):  # the loss is computed in fp32
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- Python 3.10 (requires-python >= 3.10)
+
+
+def test_no_builtin_timeouterror_catches_an_asyncio_timeout():
+    """Before 3.11 asyncio.wait_for and aiohttp raise asyncio.TimeoutError, which `except TimeoutError`
+    misses (checked on 3.10.13: only the asyncio class catches it). A module that uses asyncio catches
+    asyncio.TimeoutError (the same class from 3.11 on); tests/serve/test_serve_gpu_defects.py runs both
+    handlers with a 3.10-style class."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "slipstream"
+    offenders = []
+    for path in sorted(src.rglob("*.py")):
+        text = path.read_text()
+        if "asyncio" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ExceptHandler) and node.type is not None:
+                names = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+                if any(isinstance(n, ast.Name) and n.id == "TimeoutError" for n in names):
+                    offenders.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert offenders == []
