@@ -213,3 +213,57 @@ def test_no_builtin_timeouterror_catches_an_asyncio_timeout():
                 if any(isinstance(n, ast.Name) and n.id == "TimeoutError" for n in names):
                     offenders.append(f"{path.relative_to(src)}:{node.lineno}")
     assert offenders == []
+
+
+# ----------------------------------------------------------------------------- bench: peak memory on CUDA
+
+
+def test_bench_reports_each_recipes_cuda_peak_as_if_alone(monkeypatch):
+    """Two recipes share the process (on a fake CUDA device: the allocator's counters are faked):
+    each one's peak is what it keeps (weights at build, optimizer state at warm-up) plus its rounds'
+    most above their start, with the allocator's peak reset before every round."""
+    from slipstream.bench import runner
+    from slipstream.bench.runner import RecipeContender, custom_factory, run_bench
+
+    alloc = {"now": 0, "peak": 0}
+    resets: list[str] = []
+    weights, activations = {"a": 1000, "b": 3000}, {"a": 500, "b": 200}
+
+    class OnCuda(RecipeContender):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.device = torch.device("cuda")  # the figures below are this fake device's
+            self.key = self.name[0]
+            self.warmed = False
+            alloc["now"] += weights[self.key]
+
+        def run_round(self, *args, **kwargs):
+            stats = super().run_round(*args, **kwargs)
+            if not self.warmed:  # optimizer state, kept from the first step on
+                self.warmed = True
+                alloc["now"] += 2 * weights[self.key]
+            alloc["peak"] = max(alloc["peak"], alloc["now"] + activations[self.key])
+            return stats
+
+    def reset(device=None):
+        resets.append(str(device))
+        alloc["peak"] = alloc["now"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: alloc["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: alloc["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(runner, "resolve_device", lambda choice: torch.device("cuda"))
+    monkeypatch.setattr(
+        runner, "peak_flops_from_probe", lambda device: dict.fromkeys(("fp32", "bf16", "fp16"), 1e12)
+    )
+    small = "+shapes.max_len=512+shapes.tokens_per_batch=1024"
+    names = ["a@baseline" + small, "b@pad-batch" + small]
+    res = run_bench(
+        "gpt-stdlib", names, size="tiny", rounds=2, round_tokens=300, warmup_steps=1, val_batches=1,
+        noise_seeds=0, min_dtype_speed=None, custom={n: custom_factory(OnCuda) for n in names},
+    )  # fmt: skip
+    peaks = {c.name[0]: c.peak_memory_bytes for c in res.contenders}
+    assert peaks == {"a": 3 * 1000 + 500, "b": 3 * 3000 + 200}  # not b's 9000 kept bytes inside a's
+    assert len(resets) == 4 and set(resets) == {"cuda"}  # before each of 2 rounds x 2 contenders
+    assert all("cuda_max_allocated" in c.peak_memory_note for c in res.contenders)

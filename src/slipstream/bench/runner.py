@@ -10,6 +10,7 @@ Method (torch.utils.benchmark / MLPerf style):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from ..models import loss_of
 from ..parity import judge_parity, noise_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
-from ..session import Session
+from ..session import Session, resolve_device
 from ..shapes.loader import Batch, ShapedLoader
 from ..train import evaluate
 from ..workloads import get_workload
@@ -193,6 +194,43 @@ def peak_flops_from_probe(device: torch.device) -> dict[str, float]:
     return {d: p.flops(d) or fp32 for d in ("fp32", "bf16", "fp16")}
 
 
+class CudaMemory:
+    """Each recipe's CUDA peak as if it had run alone, though every contender shares this process.
+
+    All contenders' tensors stay allocated while any one of them runs, so the allocator's peak during
+    a round counts them all. Per contender: the bytes it keeps (allocated while it was built and
+    warmed up: weights, optimizer state, CUDA graph pools, prefetched batches) plus the most any of
+    its rounds allocated above what was allocated when the round began (activations, gradients,
+    temporaries), with the allocator's peak reset before each round. Does nothing off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.on = device.type == "cuda"
+        self.kept: dict[str, int] = {}
+        self.above: dict[str, int] = {}
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device)) if self.on else 0
+
+    def keep(self, name: str, since: int) -> None:
+        """Charge to `name` what was allocated since `allocated()` returned `since`."""
+        if self.on:
+            self.kept[name] = self.kept.get(name, 0) + max(0, self.allocated() - since)
+
+    @contextlib.contextmanager
+    def round(self, name: str):
+        start = self.allocated()
+        if self.on:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        if self.on:
+            above = int(torch.cuda.max_memory_allocated(self.device)) - start
+            self.above[name] = max(self.above.get(name, 0), above)
+
+    def peak(self, name: str) -> int | None:
+        return self.kept.get(name, 0) + self.above[name] if name in self.above else None
+
+
 def peak_memory_in_subprocess(spec: str, workload: str, size: str, steps: int = 2) -> tuple[int | None, str]:
     """Process peak RSS of a short run of this recipe alone (RSS is per process, so one each)."""
     import tempfile
@@ -303,6 +341,7 @@ def run_bench(
 
     contenders: list[Contender] = []
     skipped: dict[str, str] = {}
+    cuda_memory = CudaMemory(resolve_device(specs[0].runtime.device))
     target: float | None = real_tokens_per_step_target if match_steps else None
     for spec, recipe in zip(recipes, specs):
         why = None
@@ -313,6 +352,7 @@ def run_bench(
             skipped[spec] = why
             continue
         say(f"building {spec}")
+        since = cuda_memory.allocated()
         try:
             if spec in custom:
                 c = custom[spec](spec, workload, size, data, val_batches, specs[0], target)
@@ -327,6 +367,7 @@ def run_bench(
             say(f"skipping {spec}: {skipped[spec]}")
             continue
         contenders.append(c)
+        cuda_memory.keep(c.name, since)
         if match_steps and target is None:
             target = real_tokens_per_step(c.loader)
     noise: list[Contender] = []
@@ -375,18 +416,21 @@ def run_bench(
         for c in everyone:
             say(f"warm-up {c.name}")
             t0 = time.perf_counter()
+            since = cuda_memory.allocated()
             first = counted_round(c, None, 1)
             recompiles[c.name] = 0  # the first step's graphs are compiles, not recompiles
             if first is not None and warmup_steps > 1:
                 counted_round(c, None, warmup_steps - 1)
             warm[c.name] = time.perf_counter() - t0
+            cuda_memory.keep(c.name, since)  # optimizer state, CUDA graph pools: created by the first steps
 
         per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
         for r in range(rounds):
             for c in everyone:  # interleaved: A B C A B C ...
                 if c.name in failed:
                     continue
-                st = counted_round(c, budget)
+                with cuda_memory.round(c.name):
+                    st = counted_round(c, budget)
                 if st is None:
                     continue
                 per_round[c.name].append(st)
@@ -442,10 +486,8 @@ def run_bench(
             mem, note = None, "not measured"
             if c.kind == "recipe":
                 if device.type == "cuda":
-                    mem, note = (
-                        int(info.get("peak_memory_bytes", 0)) or None,
-                        "cuda_max_allocated (whole run)",
-                    )
+                    mem = cuda_memory.peak(c.name)
+                    note = "cuda_max_allocated: bytes it keeps + its rounds' most above their start (as if alone)"
                 elif memory in ("auto", "subprocess"):
                     say(f"peak memory {c.name}")
                     mem, note = peak_memory_in_subprocess(c.name, workload, size)
