@@ -323,8 +323,9 @@ def _train(
         losses = list(saved["loss"])
         val_losses = list(saved["val_loss"])
         restore_rng_state(saved["rng"])
-        if env.is_main:
-            clean_stale_temps(folder)  # type: ignore[arg-type]
+    if folder is not None and env.is_main:
+        # A run killed in its first checkpoint write restarts fresh: its temp goes too.
+        clean_stale_temps(folder)
     start_step = step
 
     def write_checkpoint() -> None:

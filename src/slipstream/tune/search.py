@@ -13,7 +13,8 @@ Methods (`method=`):
 
 Storage: `None` -> SQLite file `study.db` in the run folder (embedded; several local workers can
 share it); `sqlite:///...`, `postgresql://...`, `mysql://...` -> Optuna's RDBStorage with a heartbeat,
-so a killed worker's trial turns FAILED after the grace period and the others go on; a path ending
+so a killed worker's trial turns FAILED after the grace period, is queued once more with the same
+parameters, and the others go on; a path ending
 in `.journal` (or `journal:PATH`) -> Optuna's journal file (no heartbeat: a killed worker's trial
 stays RUNNING).
 """
@@ -244,9 +245,21 @@ def postgres_driver(url: str) -> str:
 def _rdb_storage(
     url: str, engine_kwargs: dict[str, Any], heartbeat_interval: int, grace_period: int | None
 ) -> Any:
+    import inspect
+
     import optuna
     import sqlalchemy.exc
 
+    # A trial whose worker was killed is run again once, same parameters (so a killed base-recipe
+    # trial is not lost); a point that kills its worker twice stays FAILED. Optuna 4.9 renamed
+    # the argument (failed_trial_callback -> heartbeat_stale_trial_callback).
+    retry_cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    retry_cls = retry_cls or optuna.storages.RetryFailedTrialCallback
+    params = inspect.signature(optuna.storages.RDBStorage).parameters
+    names = [a for a in ("heartbeat_stale_trial_callback", "failed_trial_callback") if a in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = {names[0]: retry_cls(max_retry=1)} if names else {}
     for attempt in range(6):
         try:
             with warnings.catch_warnings():
@@ -257,6 +270,7 @@ def _rdb_storage(
                     engine_kwargs=engine_kwargs,
                     heartbeat_interval=heartbeat_interval,
                     grace_period=grace_period if grace_period is not None else 2 * heartbeat_interval,
+                    **retry,
                 )
         except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError):
             # Workers that open a new database together race to create its tables; the loser's
