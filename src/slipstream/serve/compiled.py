@@ -13,7 +13,8 @@ Serving differs from training in two ways that change how to compile:
 
 The compiled callable must not be asked for a shape that was not warmed while several worker
 threads call it (a compile is not something to race); the engine guarantees that by forcing
-static shapes when it compiles.
+static shapes when it compiles. On CUDA the engine calls it from one thread only: inductor keeps
+CUDA graphs per thread, and a replay rewrites the static output the previous one returned.
 """
 
 from __future__ import annotations
