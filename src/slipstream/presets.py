@@ -6,6 +6,7 @@ overrides (`baseline+precision.dtype=bf16+shapes.max_len=512`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -78,15 +79,27 @@ def get_preset(name: str) -> Recipe:
     return PRESETS[name]()
 
 
-def resolve_recipe(spec: str | Recipe, overrides: Sequence[str] | None = None) -> Recipe:
+def resolve_recipe(spec: str | os.PathLike[str] | Recipe, overrides: Sequence[str] | None = None) -> Recipe:
     """Turn a preset name, recipe file, or `base+section.field=value+...` into a Recipe, then apply
     `overrides` (`section.field=value` strings, as given to `--set`)."""
     if overrides:
         return resolve_recipe(spec).override(*overrides)
     if isinstance(spec, Recipe):
         return spec
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"a recipe is a Recipe, a preset name ('bf16'), a recipe file path or a "
+            f"'preset+section.field=value' spec, not {type(spec).__name__} {spec!r}"
+        )
     base, *overrides = spec.split("+")
-    if base.endswith((".toml", ".json")) or Path(base).exists():
+    if not base.strip():
+        raise RecipeError(
+            f"recipe {spec!r} names no preset or file before its overrides; "
+            "start with one, e.g. baseline+shapes.max_len=512"
+        )
+    if base.endswith((".toml", ".json")) or (base not in PRESETS and Path(base).exists()):
         recipe = load_recipe(base)
     else:
         recipe = get_preset(base)

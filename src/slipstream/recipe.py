@@ -12,6 +12,7 @@ import errno
 import glob
 import inspect
 import json
+import math
 import os
 import socket
 import sys
@@ -295,6 +296,8 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RecipeError(f"{path}={value!r} must be a number")
+        if not math.isfinite(value):  # nan passes every range check below; inf is no setting
+            raise RecipeError(f"{path}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -399,16 +402,19 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     p = Path(path)
     if not p.exists():
         raise RecipeError(f"recipe file {str(p)!r} does not exist")
-    text = p.read_text()
+    if p.is_dir():
+        raise RecipeError(f"recipe {str(p)!r} is a folder; give a .toml or .json recipe file")
+    if p.suffix not in (".json", ".toml"):
+        raise RecipeError(f"recipe file {str(p)!r} must end in .toml or .json")
     try:
-        if p.suffix == ".json":
-            data = json.loads(text)
-        elif p.suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            raise RecipeError(f"recipe file {str(p)!r} must end in .toml or .json")
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
-        raise RecipeError(f"recipe file {str(p)!r} is not valid {p.suffix[1:].upper()}: {err}") from err
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RecipeError(
+            f"recipe file {str(p)!r} is not valid {p.suffix[1:].upper()} ({why}); fix it or write a "
+            "fresh one with `slipstream recipe PRESET --save FILE`"
+        ) from None
     if isinstance(data, dict) and "name" not in data:
         data["name"] = p.stem
     return recipe_from_dict(data)
@@ -512,6 +518,8 @@ def write_json(path: str | os.PathLike[str] | None, payload: Any) -> None:
 
 
 def _parse_assignment(assignment: str) -> tuple[list[str], Any]:
+    if not isinstance(assignment, str):
+        raise RecipeError(f"override {assignment!r} must be a 'section.field=value' string")
     if "=" not in assignment:
         raise RecipeError(f"override {assignment!r} must look like section.field=value")
     key, raw = assignment.split("=", 1)

@@ -163,6 +163,12 @@ def train(
     """
     if steps < 1:
         raise RecipeError(f"steps={steps} must be at least 1")
+    if eval_every < 0 or checkpoint_every < 0:
+        raise RecipeError(
+            f"eval_every={eval_every} and checkpoint_every={checkpoint_every} must be >= 0 (0 = never)"
+        )
+    if eval_every > 0 and eval_batches < 1:
+        raise RecipeError(f"eval_batches={eval_batches} must be at least 1 (or eval_every=0: no validation)")
     recipe = resolve_recipe(recipe)
     wl = get_workload(workload)
     if size not in wl.sizes:
