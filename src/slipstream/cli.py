@@ -11,6 +11,7 @@ from typing import Any
 from .commands import (
     add_command,
     add_workload_arguments,
+    check_output_paths,
     progress_printer,
     resolve_workload,
 )
@@ -146,6 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .presets import demo_recipes
 
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    _check_bench_args(args, recipes)
     demo = recipes == ["demo"]
     if demo:
         recipes = demo_recipes()
@@ -195,6 +197,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_bench_args(args: argparse.Namespace, recipes: list[str]) -> None:
+    """Refuse bench flags that would run anyway and report nonsense (before any contender runs)."""
+    if not recipes:
+        raise RecipeError("--recipes names no recipe; give one or more, e.g. --recipes baseline,bf16")
+    bad = [
+        msg
+        for ok, msg in (
+            (args.warmup_steps >= 0, f"--warmup-steps {args.warmup_steps} must be >= 0"),
+            (args.val_batches >= 1, f"--val-batches {args.val_batches} must be >= 1"),
+            (args.parity_floor >= 0, f"--parity-floor {args.parity_floor} must be >= 0"),
+            (
+                args.round_tokens is None or args.round_tokens >= 1,
+                f"--round-tokens {args.round_tokens} must be >= 1",
+            ),
+            (
+                args.max_round_s is None or args.max_round_s > 0,
+                f"--max-round-s {args.max_round_s} must be > 0",
+            ),
+        )
+        if not ok
+    ]
+    if bad:
+        raise RecipeError("; ".join(bad))
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import diagnose
 
@@ -224,6 +251,10 @@ def cmd_data(args: argparse.Namespace) -> int:
     from .workloads import get_workload
     from .workloads.corpus import LengthStats
 
+    if args.max_len < 2:
+        raise RecipeError(f"--max-len {args.max_len} must be at least 2")
+    if args.tokens_per_batch < 1:
+        raise RecipeError(f"--tokens-per-batch {args.tokens_per_batch} must be at least 1")
     wl = get_workload(args.workload)
     data = wl.load_data()
     out: dict[str, Any] = {"workload": wl.name, "max_len": args.max_len, "splits": {}, "padding_waste": {}}
@@ -438,9 +469,19 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         resolve_workload(args)
+        check_output_paths(args)
         return args.fn(args)
     except (RecipeError, CheckpointError, CorpusError, FloatingPointError, RankFailure) as err:
         print(f"slipstream {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.filename is None:
+            raise  # not about a file the user named: a bug, keep its traceback
+        # A path the user gave that the OS refused (permissions, a read-only or missing mount)
+        print(
+            f"slipstream {args.command}: error: {err.filename}: {err.strerror}; check the path",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"slipstream {args.command}: interrupted", file=sys.stderr)

@@ -71,6 +71,32 @@ def resolve_workload(args: argparse.Namespace) -> None:
         args.size = CUSTOM_SIZE  # a pasted user:model=... name: its model has the one size
 
 
+OUTPUT_FILE_FLAGS = ("json", "report", "save", "trace", "plot")
+"""Flags naming a file a command writes at its end: checked before the work starts."""
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse an output file that cannot be written (a folder, or under a file) before any work:
+    otherwise a long run would end in a traceback with its result lost."""
+    import os
+    from pathlib import Path
+
+    for flag in OUTPUT_FILE_FLAGS:
+        value = getattr(args, flag, None)
+        if not value or not isinstance(value, str):
+            continue
+        path = Path(value)
+        if path.is_dir():
+            raise RecipeError(f"--{flag} {value} is a folder; give a file path such as {path / 'out.json'}")
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise RecipeError(f"--{flag} {value}: {parent} is a file, not a folder; give another path")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise RecipeError(f"--{flag} {value}: cannot write in {parent}; give a path you can write to")
+
+
 def workload_flags(workload: str, size: str) -> str:
     """The command-line flags that select `workload` (for printed commands a user can paste)."""
     if not workload.startswith("user:"):

@@ -225,6 +225,11 @@ class Session:
         """Move to the device and apply, in order: kernels, fp8 layers, activation checkpointing,
         torch.compile, CUDA graphs per shape. The returned model's `_orig_mod` (when it has one)
         holds the same parameters under the same state_dict keys."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"prepare_model takes the model (a torch.nn.Module), not {type(model).__name__}; "
+                "call your factory first: session.prepare_model(build())"
+            )
         cfg = self.recipe.compile
         self.convention, why = detect_convention(model, self.declared_convention)
         self.tracker.extra["batch_convention"] = self.convention.name
@@ -345,8 +350,12 @@ class Session:
 
         cfg = self.recipe.shapes
         if tokens_per_batch is not None:
+            if tokens_per_batch < 1:
+                raise RecipeError(f"tokens_per_batch={tokens_per_batch} must be at least 1")
             cfg = replace(cfg, tokens_per_batch=tokens_per_batch)
         if max_len is not None:
+            if max_len < 2:  # as the recipe's shapes.max_len: one input and its label at least
+                raise RecipeError(f"max_len={max_len} must be at least 2")
             cfg = replace(cfg, max_len=max_len)
         if cfg.mode == "pack":
             self._check_packing(sequences)
@@ -570,6 +579,13 @@ class Session:
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        if not isinstance(state, dict) or "step_count" not in state:
+            from .checkpoint import CheckpointError
+
+            raise CheckpointError(
+                "Session.load_state_dict takes what Session.state_dict() returned (a dict with "
+                f"'step_count'), not {type(state).__name__}; pass the checkpoint's session entry"
+            )
         self.step_count = int(state["step_count"])  # type: ignore[arg-type]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])  # type: ignore[arg-type]

@@ -27,9 +27,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import ScoreEngine, ServeError
-from .openai import OPENAI_PATHS, add_openai_routes, openai_error, openai_error_body
+from .openai import OPENAI_PATHS, Text, add_openai_routes, openai_error, openai_error_body
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
 SWITCH_INTERVAL_S = 0.0005
@@ -40,7 +41,7 @@ class ScoreRequest(BaseModel):
     tokens: list[int] | None = Field(
         None, description="token ids (bytes 0-255, BOS=256, EOS=257); give this or text"
     )
-    text: str | None = Field(None, description="UTF-8 text, scored as BOS + its bytes; give this or tokens")
+    text: Text | None = Field(None, description="UTF-8 text, scored as BOS + its bytes; give this or tokens")
     token_logprobs: bool = Field(False, description="also return the log-prob of every scored token")
     timeout_s: float | None = Field(None, gt=0, le=600, description="deadline; past it, 504 without compute")
 
@@ -61,7 +62,7 @@ class ScoreResponse(BaseModel):
 
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prompt: str | None = Field(None, description="UTF-8 prompt, encoded as BOS + bytes; give this or tokens")
+    prompt: Text | None = Field(None, description="UTF-8 prompt, encoded as BOS + bytes; give this or tokens")
     tokens: list[int] | None = Field(None, description="prompt token ids; give this or prompt")
     max_new_tokens: int = Field(64, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0, le=100, description="0 = greedy")
@@ -266,6 +267,22 @@ def create_app(
             return openai_error(400, f"invalid request: {problems}"[:2000], param)
         metrics.requests.labels(endpoint, "422").inc()
         return JSONResponse({"error": f"invalid request: {problems}"[:2000]}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_route(request: Request, err: StarletteHTTPException):
+        # Unknown paths (404) and methods (405) answer in the same error shape as everything else,
+        # naming what to do; not counted per path (any client-chosen path would be a new label).
+        headers = dict(err.headers or {})
+        if err.status_code == 404:
+            message = f"no endpoint {request.url.path}; the endpoints are listed at /docs"
+        elif err.status_code == 405:
+            allowed = headers.get("allow") or headers.get("Allow") or "another method"
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
+        else:
+            message = str(err.detail)
+        if request.url.path in OPENAI_PATHS:
+            return openai_error(err.status_code, message, None, headers)
+        return JSONResponse({"error": message}, status_code=err.status_code, headers=headers)
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -12,7 +12,7 @@ import asyncio
 import os
 import sys
 
-from ..commands import add_command
+from ..commands import add_command, check_output_paths
 from ..recipe import write_json
 
 EXAMPLES = {
@@ -60,12 +60,74 @@ def resolve_quantize(quantize: str, dtype: str, device, probe=None):
     return decide_serve_quantize(device, probe)
 
 
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse `serve` flags that cannot work, before the model loads (one line, exit 2)."""
+    from ..recipe import RecipeError
+
+    positive = {
+        "--max-batch-size": args.max_batch_size,
+        "--max-batch-tokens": args.max_batch_tokens,
+        "--buckets": args.buckets,
+        "--workers": args.workers,
+        "--max-queue": args.max_queue,
+        "--max-body-bytes": args.max_body_bytes,
+        "--latency-budget-ms": args.latency_budget_ms,
+        "--timeout-ms": args.timeout_ms,
+        "--generate-latency-budget-ms": args.generate_latency_budget_ms,
+    }
+    at_least_0 = {
+        "--threads": args.threads,
+        "--generate-slots": args.generate_slots,
+        "--drain-timeout": args.drain_timeout,
+        "--generate-max-wait-ms": args.generate_max_wait_ms,
+    }
+    for flag, value in positive.items():
+        if value is not None and not value > 0:  # `not >` also refuses nan
+            raise RecipeError(f"{flag} {value} must be > 0")
+    for flag, value in at_least_0.items():
+        if value is not None and not value >= 0:
+            raise RecipeError(f"{flag} {value} must be >= 0")
+    if args.max_len is not None and args.max_len < 2:
+        raise RecipeError(f"--max-len {args.max_len} must be at least 2")
+    if not 0 <= args.port <= 65535:
+        raise RecipeError(f"--port {args.port} must be between 0 and 65535 (0: any free port)")
+    _check_port_free(args.host, args.port)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail in a second, not after the model loaded and every shape warmed up."""
+    import socket
+
+    from ..recipe import RecipeError
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise RecipeError(
+            f"--host {host!r} does not resolve ({err.strerror}); use 127.0.0.1 or 0.0.0.0"
+        ) from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as err:
+            raise RecipeError(
+                f"--port {port} on {host} cannot be used ({err.strerror}); pick another --port "
+                "or stop the server holding it"
+            ) from None
+
+
 def build_app_from_args(args: argparse.Namespace):
     """The FastAPI app, score engine, loaded model and the `--quantize` decision the `serve` flags
     describe."""
     import torch
 
     from ..recipe import RecipeError
+
+    check_serve_args(args)
     from ..session import resolve_device
     from ..workloads.registry import get_workload
     from .app import create_app
@@ -193,8 +255,15 @@ def loadtest_payloads(args: argparse.Namespace) -> list[dict]:
     from . import loadgen
 
     if args.endpoint in loadgen.OPENAI_ENDPOINTS:
+        from ..recipe import RecipeError
+
+        try:
+            prompts = loadgen.load_prompts(args.prompts, args.prompt_chars)
+        except UnicodeDecodeError as err:
+            raise RecipeError(
+                f"--prompts {args.prompts} is not UTF-8 text (byte {err.start}); give a .txt or .jsonl file"
+            ) from None
         model = args.model_name or loadgen.served_model(args.url)
-        prompts = loadgen.load_prompts(args.prompts, args.prompt_chars)
         return loadgen.openai_payloads(prompts, args.endpoint, model, args.max_new_tokens, args.stream)
     payloads = loadgen.validation_payloads(
         max_tokens=args.max_tokens, endpoint=args.endpoint, max_new_tokens=args.max_new_tokens
@@ -267,6 +336,12 @@ def cmd_quantize_eval(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in QUANT_MODES]
     if bad:
         raise RecipeError(f"--modes: unknown {bad}; choose from {', '.join(QUANT_MODES)}")
+    if not modes:
+        raise RecipeError(f"--modes names no mode; choose from {', '.join(QUANT_MODES)}")
+    if args.docs < 1 or args.reps < 1:
+        raise RecipeError(f"--docs {args.docs} and --reps {args.reps} must both be at least 1")
+    if args.max_len is not None and args.max_len < 2:
+        raise RecipeError(f"--max-len {args.max_len} must be at least 2")
     if args.threads:
         import torch
 
@@ -494,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     add_parser(sub)
     args = parser.parse_args(argv)
     try:
+        check_output_paths(args)
         return args.fn(args)
     except (RecipeError, CheckpointError) as err:
         print(f"slipstream {args.command}: error: {err}", file=sys.stderr)

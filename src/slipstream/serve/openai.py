@@ -20,11 +20,11 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ..recipe import RecipeError
 from .engine import ServeError
@@ -35,6 +35,22 @@ from .text import Detokenizer, StopMatcher
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 MAX_N = 8
 MAX_STOPS = 4
+
+
+def _utf8(text: str) -> str:
+    # JSON's "\ud800" escape decodes to a lone surrogate: a str no tokenizer can encode (a 500 before)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"holds a lone surrogate at character {err.start}, which is not text; send valid UTF-8"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+"""A request string that will be tokenized: refused (422, or 400 on the OpenAI endpoints) unless
+it has a UTF-8 form."""
 
 
 class _Body(BaseModel):
@@ -68,12 +84,25 @@ class CompletionRequest(_Body):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _text_prompt(cls, prompt):
+        for p in [prompt] if isinstance(prompt, str) else prompt:
+            if isinstance(p, str):
+                _utf8(p)
+        return prompt
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, content):
+        return _utf8(content) if isinstance(content, str) else content
 
 
 class ChatRequest(_Body):
