@@ -29,17 +29,24 @@ MARKER = "slipstream_export.json"
 FORMAT = 1
 
 
+def check_export_dir(out_dir: str | Path) -> Path:
+    """`out_dir` as a Path, refused when it holds something other than an earlier export (checked
+    again before a run trains, so a bad --export fails in a second, not after the run)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+        raise RecipeError(
+            f"--export {out} exists and is not an earlier export; choose an empty or new folder"
+        )
+    return out
+
+
 def export_model(
     model: nn.Module, out_dir: str | Path, tokenizer: Any = None, factory: str | None = None
 ) -> Path:
     """Write `model` (and `tokenizer`: a transformers tokenizer, or a `tokenizers.Tokenizer`) to
     `out_dir`. `factory` (`module:function`) is recorded for plain modules so they can be rebuilt."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper would prefix every key
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
-        raise RecipeError(
-            f"--export {out} exists and is not an earlier export; choose an empty or new folder"
-        )
+    out = check_export_dir(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:

@@ -169,6 +169,10 @@ def train(
         )
     if eval_every > 0 and eval_batches < 1:
         raise RecipeError(f"eval_batches={eval_batches} must be at least 1 (or eval_every=0: no validation)")
+    if export_dir is not None:
+        from .export import check_export_dir
+
+        check_export_dir(export_dir)  # before the run, not after it
     recipe = resolve_recipe(recipe)
     wl = get_workload(workload)
     if size not in wl.sizes:
