@@ -410,7 +410,7 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         text = p.read_text(encoding="utf-8")
         data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as err:
-        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        why = "nesting too deep" if isinstance(err, RecursionError) else str(err).splitlines()[0]
         raise RecipeError(
             f"recipe file {str(p)!r} is not valid {p.suffix[1:].upper()} ({why}); fix it or write a "
             "fresh one with `slipstream recipe PRESET --save FILE`"
