@@ -20,7 +20,6 @@ FAST = (
 
 def run_cli(*args, check=True):
     env = dict(os.environ)
-    env.pop("SLIPSTREAM_FAULT", None)
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream.cli", *args], capture_output=True, text=True, env=env, timeout=300
     )

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,27 +45,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-_fault_hits: Counter[str] = Counter()
-
-
-def fault_armed(stage: str) -> bool:
-    """Test-only crash injection: SLIPSTREAM_FAULT=<stage>[:n] arms the n-th pass through `stage`."""
-    spec = os.environ.get("SLIPSTREAM_FAULT")
-    if not spec:
-        return False
-    name, _, nth = spec.partition(":")
-    if name != stage:
-        return False
-    _fault_hits[stage] += 1
-    return _fault_hits[stage] == int(nth or 1)
-
-
-def fault_point(stage: str) -> None:
-    """SIGKILL this process here when the fault is armed: the real kill -9, not an exception."""
-    if fault_armed(stage):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def save_checkpoint(path: Path, state: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,13 +54,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> Path:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)
             fh.flush()
-            size = fh.tell()
-            if fault_armed("checkpoint-mid-write"):
-                fh.truncate(size // 2)  # a torn write, as a kill mid-write would leave it
-                fh.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
             os.fsync(fh.fileno())
-        fault_point("checkpoint-before-rename")
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -19,7 +19,6 @@ from .checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
     clean_stale_temps,
-    fault_point,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -426,7 +425,6 @@ def _train(
                     on_eval(step, val_losses[-1]["loss"])
             if at_ckpt:
                 write_checkpoint()
-            fault_point("step")
     except KeyboardInterrupt:
         if pending and not env.active:
             losses.extend(torch.stack(pending).float().tolist())

@@ -23,7 +23,7 @@ COMMON = ["train", "--eval-every", "0", "--no-progress"]
 
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLIPSTREAM_FAULT"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
 

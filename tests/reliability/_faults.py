@@ -36,7 +36,6 @@ def slipstream_argv(*args: object) -> list[str]:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("SLIPSTREAM_FAULT", None)  # faults come from the test, never from a hook
     return env
 
 

@@ -239,9 +239,8 @@ def peak_memory_in_subprocess(spec: str, workload: str, size: str, steps: int = 
         out = os.path.join(tmp, "m.json")
         cmd = [sys.executable, "-m", "slipstream.cli", "train", "--workload", workload, "--size", size]
         cmd += ["--recipe", spec, "--steps", str(steps), "--eval-every", "0", "--no-progress", "--json", out]
-        env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_FAULT"}
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired:
             return None, "memory run timed out"
         if proc.returncode != 0:
