@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..commands import add_command, check_output_paths
-from ..recipe import write_json
+from ..files import write_json
 
 EXAMPLES = {
     "serve": """examples:
@@ -123,11 +123,10 @@ def _check_port_free(host: str, port: int) -> None:
 def build_app_from_args(args: argparse.Namespace):
     """The FastAPI app, score engine, loaded model and the `--quantize` decision the `serve` flags
     describe."""
+    check_serve_args(args)
     import torch
 
     from ..recipe import RecipeError
-
-    check_serve_args(args)
     from ..session import resolve_device
     from ..workloads.registry import get_workload
     from .app import create_app
