@@ -192,7 +192,7 @@ def main() -> None:
             "command": vars(args) | {"out": str(args.out)},
         }
         result["result"] = res
-        from slipstream.recipe import write_json
+        from slipstream.files import write_json
 
         write_json(args.out, result)
         print(f"wrote {args.out}")

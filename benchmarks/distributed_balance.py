@@ -57,7 +57,9 @@ def run(balance: str, args: argparse.Namespace, out: Path) -> dict:
             "--size", args.size, "--steps", str(args.steps), "--eval-every", "0", "--no-progress",
             "--recipe", RECIPE.format(tpb=args.tokens_per_batch, balance=balance), "--json", str(out),
         ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
     for p in procs:
         _, err = p.communicate(timeout=1800)
         if p.returncode != 0:

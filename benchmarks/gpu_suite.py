@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.cpu_smoke, only, args.budget_s)
     path = output_path(args.out, result)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from slipstream.recipe import write_json
+    from slipstream.files import write_json
 
     write_json(path, json.loads(json.dumps(result, default=str)))  # atomic: never half a file
     status = {k: v["status"] for k, v in result["sections"].items()}

@@ -37,9 +37,10 @@ from slipstream import Session  # noqa: E402
 from slipstream.bench.contenders import matched_loader  # noqa: E402
 from slipstream.bench.hf_peers import pad_batch  # noqa: E402
 from slipstream.doctor import machine_info  # noqa: E402
+from slipstream.files import write_json  # noqa: E402
 from slipstream.models import loss_of  # noqa: E402
 from slipstream.parity import judge_parity, noise_band, parity  # noqa: E402
-from slipstream.recipe import OptimizerConfig, write_json  # noqa: E402
+from slipstream.recipe import OptimizerConfig  # noqa: E402
 from slipstream.workloads import get_workload  # noqa: E402
 from slipstream.workloads.user import user_workload_name  # noqa: E402
 

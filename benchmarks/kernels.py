@@ -51,7 +51,7 @@ def write_result(payload: dict, device_label: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", device_label.lower()).strip("-")
     path = RESULTS / f"kernels-{slug}-{payload['machine']['date']}.json"
-    from slipstream.recipe import write_json
+    from slipstream.files import write_json
 
     write_json(path, payload)  # atomic: never a half-written results file
     return path

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from slipstream.bench.runner import RecipeContender, custom_factory, run_bench
-from slipstream.recipe import write_json
+from slipstream.files import write_json  # noqa: E402
 
 
 class PackWithoutDocumentMask(RecipeContender):

@@ -194,7 +194,7 @@ def main() -> None:
                 f"{mem[f'{dt}_ac_peak_memory_bytes'] / 2**20:.0f} MiB, step time x{mem[f'{dt}_ac_step_time_ratio']:.2f}"
             )
     if args.out:
-        from slipstream.recipe import write_json
+        from slipstream.files import write_json
 
         write_json(args.out, result)
         print(f"wrote {args.out}")

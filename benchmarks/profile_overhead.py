@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     if args.out:
-        from slipstream.recipe import write_json
+        from slipstream.files import write_json
 
         write_json(args.out, doc)
         print(f"wrote {args.out}")

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.json:
         from slipstream.doctor import machine_info
-        from slipstream.recipe import write_json
+        from slipstream.files import write_json
 
         payload = {
             "note": (

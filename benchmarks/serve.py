@@ -372,7 +372,7 @@ def compare(args) -> int:
                 if stats.exists():
                     result[f"{name.replace('-', '_')}_batching"] = json.loads(stats.read_text())
         if args.json:
-            from slipstream.recipe import write_json
+            from slipstream.files import write_json
 
             write_json(args.json, result)
     finally:
@@ -497,7 +497,7 @@ def generation(args) -> int:
         )
     )
     if args.json:
-        from slipstream.recipe import write_json
+        from slipstream.files import write_json
 
         write_json(args.json, result)
     return 0

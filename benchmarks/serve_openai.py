@@ -275,7 +275,7 @@ def run(args) -> int:
                 terminate(proc, 30)
             kill_group(proc)
         if args.json:
-            from slipstream.recipe import write_json
+            from slipstream.files import write_json
 
             write_json(args.json, result)
             print(f"wrote {args.json}", flush=True)

@@ -250,7 +250,7 @@ def main() -> int:
         print(f"throughput, fp32 eager, {args.size}, interleaved rounds:")
         result["throughput"] = throughput(args.rounds, args.steps_per_round, args.size)
     if args.out:
-        from slipstream.recipe import write_json
+        from slipstream.files import write_json
 
         write_json(args.out, result)
         print(f"wrote {args.out}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 
-from slipstream.recipe import write_json
+from slipstream.files import write_json  # noqa: E402
 from slipstream.tune.fibonacci import FibonacciSampler, fibonacci_numbers
 from slipstream.tune.objectives import SYNTHETIC, lr_valley
 from slipstream.tune.search import choose_method

@@ -6,16 +6,14 @@ either the previous checkpoint or the new one, never a torn file. Loading uses w
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .recipe import out_of_space
+from .files import DiskFullError, atomic_write, out_of_space
 
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -47,29 +45,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {"format": CHECKPOINT_FORMAT, **state}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        full = out_of_space(err)
-        if full is not None:
-            raise CheckpointError(
-                f"no space left writing checkpoint {path} ({full.strerror}); the previous checkpoint "
-                "is kept; free space or choose another --checkpoint-dir"
-            ) from err
-        raise
+        atomic_write(path, lambda fh: torch.save(state, fh))
+    except DiskFullError as err:
+        raise CheckpointError(
+            f"no space left writing checkpoint {path} ({out_of_space(err).strerror}); the previous checkpoint "
+            "is kept; free space or choose another --checkpoint-dir"
+        ) from err
     return path
 
 

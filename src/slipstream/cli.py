@@ -15,8 +15,9 @@ from .commands import (
     progress_printer,
     resolve_workload,
 )
+from .files import write_json
 from .presets import resolve_recipe
-from .recipe import RecipeError, write_json
+from .recipe import RecipeError
 
 EXAMPLES = {
     "train": """examples:

@@ -216,7 +216,7 @@ def _load_cached(path: Path, key: str) -> MachineProbe | None:
 
 
 def _save(probe: MachineProbe, path: Path) -> None:
-    from .recipe import atomic_write_text
+    from .files import atomic_write_text
 
     data = {**probe.to_dict(), "cached": False}
     try:

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import errno
-import glob
 import inspect
 import json
 import math
 import os
-import socket
 import sys
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
+
+from .errors import RecipeError
+from .files import atomic_write_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,10 +29,6 @@ else:  # pragma: no cover
 
 
 _UNION_ORIGINS = (Union, types.UnionType)  # Optional[X] and X | Y
-
-
-class RecipeError(ValueError):
-    """A recipe field has a value that cannot be used; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -434,87 +429,6 @@ def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
         raise RecipeError(f"recipe file {str(p)!r} must end in .toml or .json")
     atomic_write_text(p, text)
     return p
-
-
-class DiskFullError(RecipeError, OSError):
-    """The disk (or the process's file-size limit) ran out while writing a file; the message says
-    which file and the fix. Still an OSError, so code that shrugs off a failed cache write goes on."""
-
-
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
-
-
-def out_of_space(err: BaseException) -> OSError | None:
-    """The disk-full OSError behind `err`: itself, or what it was raised from or while handling
-    (torch.save wraps the file's OSError in a RuntimeError); None for any other failure."""
-    seen: BaseException | None = err
-    for _ in range(8):
-        if seen is None:
-            break
-        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _temp_prefix(path: Path) -> str:
-    """Temp files are named after the target, this host and this process, so a later writer can
-    tell a temp left by a killed process (same host, process gone) from a live writer's."""
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
-    return f".{path.name}.{host}-{os.getpid()}."
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Remove temps of `path` that a killed writer on this host left behind (its process is gone)."""
-    host = _temp_prefix(path).rsplit("-", 1)[0]
-    for tmp in path.parent.glob(f"{glob.escape(host)}-*.tmp"):
-        pid = tmp.name[len(host) + 1 :].split(".", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # alive, but another user's
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves the old file or the new one, never a torn one:
-    a temp file beside it, fsynced, then renamed over it. A full disk raises DiskFullError (one
-    line, naming the file) with the old file untouched and no temp left behind."""
-    path = Path(path)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except BaseException as err:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        full = out_of_space(err)
-        if full is not None:
-            raise DiskFullError(
-                f"no space left writing {path} ({full.strerror}); free space or choose another folder"
-            ) from err
-        raise
-    _remove_stale_temps(path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """atomic_write_bytes for text (UTF-8)."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def write_json(path: str | os.PathLike[str] | None, payload: Any) -> None:
-    """Write `payload` as indented JSON atomically; no-op when `path` is empty (no --json given)."""
-    if path:
-        atomic_write_text(Path(path), json.dumps(payload, indent=2, default=str) + "\n")
 
 
 def _parse_assignment(assignment: str) -> tuple[list[str], Any]:

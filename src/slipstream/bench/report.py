@@ -12,7 +12,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from ..recipe import atomic_write_text
+from ..files import atomic_write_text
 
 COLUMNS = [
     ("contender", lambda c: c["name"]),

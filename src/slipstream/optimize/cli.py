@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..commands import add_command, add_workload_arguments, progress_printer, workload_flags
-from ..recipe import RecipeError, write_json
+from ..files import write_json
+from ..recipe import RecipeError
 
 EXAMPLES = """examples:
   slipstream optimize --workload gpt-stdlib --size small --budget 5m

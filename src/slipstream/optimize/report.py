@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_write_text
 from ..presets import resolve_recipe
-from ..recipe import atomic_write_text, save_recipe
+from ..recipe import save_recipe
 
 
 def _fmt(value: Any, spec: str) -> str:

@@ -58,7 +58,7 @@ def handler(args: argparse.Namespace) -> int:
     from ..recipe import RecipeError
     from . import analyze, capture_script, capture_workload
     from .records import CaptureConfig
-    from .report import render, write_json
+    from .report import render, write_profile
 
     command = list(args.script_command or [])
     if command and command[0] == "--":
@@ -82,7 +82,7 @@ def handler(args: argparse.Namespace) -> int:
     result = analyze(cap)
     render(result)
     if args.json:
-        print(f"wrote {write_json(result, args.json)}")
+        print(f"wrote {write_profile(result, args.json)}")
     return 0
 
 

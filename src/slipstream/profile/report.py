@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ..recipe import atomic_write_text
+from ..files import write_json
 from .analyze import ProfileResult
 from .source import relative
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
 
 
-def write_json(result: ProfileResult, path: str | Path) -> Path:
-    """Write the profile document atomically (temp file, then rename)."""
-    path = Path(path)
-    atomic_write_text(path, json.dumps(result.to_dict(), indent=2, default=str) + "\n")
-    return path
+def write_profile(result: ProfileResult, path: str | Path) -> Path:
+    """Write the profile document (schema: docs/profile.md) atomically."""
+    write_json(path, result.to_dict())
+    return Path(path)
 
 
 def _pct(x: float | None) -> str:

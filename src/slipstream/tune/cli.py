@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..commands import add_command, add_workload_arguments, resolve_workload
+from ..files import write_json
 from ..presets import resolve_recipe
-from ..recipe import RecipeError, write_json
+from ..recipe import RecipeError
 
 TUNE_EXAMPLES = """examples:
   slipstream tune --workload gpt-stdlib --size tiny --param lr=1e-4:1e-2:log --trials 20 --method auto --json out.json

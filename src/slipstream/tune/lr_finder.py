@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..files import atomic_write_bytes
 from ..models import loss_of
-from ..recipe import Recipe, RecipeError, atomic_write_bytes
+from ..recipe import Recipe, RecipeError
 
 
 @dataclass

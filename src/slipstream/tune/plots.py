@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..recipe import atomic_write_bytes
+from ..files import atomic_write_bytes
 
 
 def write_plots(study: Any, out_dir: Path) -> list[str]:
