@@ -62,6 +62,19 @@ def test_deterministic_keeps_a_users_cublas_workspace(monkeypatch, restore_deter
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
 
 
+def test_a_deterministic_session_puts_the_process_back_when_closed(monkeypatch, restore_determinism):
+    from slipstream import Recipe, Session
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(False)
+    with Session(Recipe().override("runtime.deterministic=true", 'runtime.device="cpu"')):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
 # ----------------------------------------------------------------------------- fp8: batch x length not a multiple of 16
 
 

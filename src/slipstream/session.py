@@ -61,17 +61,38 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
+def seed_everything(seed: int, deterministic: bool) -> Callable[[], None]:
+    """Seed every RNG; with `deterministic`, switch torch to deterministic algorithms. Returns the
+    function that puts the process-wide switches back as they were (Session.close calls it), so
+    one deterministic run does not slow down whatever the process runs next."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if deterministic:
-        if torch.cuda.is_available():
-            # deterministic cuBLAS needs a fixed workspace, or its first call raises; a user's own
-            # setting is kept (issue 17 wants process-wide state restored after the run)
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        torch.backends.cudnn.benchmark = False
+    if not deterministic:
+        return lambda: None
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    if torch.cuda.is_available():
+        # deterministic cuBLAS needs a fixed workspace, or its first call raises; a user's own
+        # setting is kept
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.backends.cudnn.benchmark = False
+
+    def restore() -> None:
+        enabled, warn_only, benchmark, cublas = before
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = benchmark
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
+
+    return restore
 
 
 def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) -> dict[str, object]:
@@ -187,7 +208,9 @@ class Session:
         else:
             decision = agree(resolve_precision_decision(self.recipe.precision, self.device), self.dist)
         self.precision = decision.choice
-        seed_everything(self.recipe.runtime.seed, self.recipe.runtime.deterministic)
+        self._restore_process_state = seed_everything(
+            self.recipe.runtime.seed, self.recipe.runtime.deterministic
+        )
         self.tracker = MetricsTracker(self.device, self.precision)
         self.decisions: dict[str, dict[str, str]] = {
             k: v for k, v in earlier.items() if k != "precision.dtype"
@@ -218,6 +241,19 @@ class Session:
         """The prepared model's batch convention: what prepare_loader's batches look like."""
         self._packing_problem: str | None | bool = False  # False: not checked yet
         self.step_count = 0
+
+    def close(self) -> None:
+        """Put back the process-wide switches this session changed (deterministic algorithms,
+        cuDNN autotuning, the cuBLAS workspace); the built-in loop calls it when it ends. Also
+        `with Session(...) as session:`."""
+        self._restore_process_state()
+        self._restore_process_state = lambda: None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- preparation ----------------------------------------------------------------------------
 

@@ -215,6 +215,7 @@ def train(
             raise rank_failure(err, env, recipe.distributed.timeout_s) from err
         raise
     finally:
+        session.close()  # process-wide switches (deterministic algorithms) back as they were
         if env.active:
             destroy_process_group()
 
