@@ -193,3 +193,17 @@ def test_a_contender_that_crashes_mid_run_is_dropped_and_the_rest_finish():
         "failed while training: RuntimeError: DefaultCPUAllocator: not enough memory"
         in res.skipped["oom@pad-batch" + SMALL]
     )
+
+
+def test_mfu_counts_the_models_own_flops_formula():
+    from torch import nn
+
+    from slipstream.bench.runner import model_flops_per_token
+    from slipstream.workloads.gpt import build_gpt
+
+    gpt = build_gpt("tiny", max_len=64)
+    assert model_flops_per_token(gpt, 64) == gpt.flops_per_token(64)
+    assert model_flops_per_token(gpt, 64) > 6 * (gpt.num_parameters() - gpt.wpe.weight.numel())
+    plain = nn.Linear(4, 3)
+    assert model_flops_per_token(plain, 64) == 6 * 15
+    assert model_flops_per_token(None, 64) == 0.0

@@ -72,7 +72,9 @@ class ContenderResult:
     parity: str
     """"pass", "fail", or "reference"."""
     mfu: float
-    """Model FLOP/s (6 x params per real token) over the peak matmul rate measured in this run."""
+    """Model FLOP/s over the peak matmul rate measured in this run: the model's own training FLOPs
+    per token (`flops_per_token`, the built-in GPT's PaLM formula, attention term at the recipe's
+    max_len: an upper bound for bucketed rows), else 6 x parameters, per real token."""
     precision: str
     noisy: bool
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
@@ -182,6 +184,19 @@ def custom_factory(cls: type[RecipeContender]) -> Callable[..., RecipeContender]
         )  # fmt: skip
 
     return build
+
+
+def model_flops_per_token(model: Any, row_len: int) -> float:
+    """Training FLOPs per token: the model's own formula when it has one (the built-in GPT counts
+    attention, 6N + 12·L·d·T), else 6 x its parameters; 0 without a model."""
+    if model is None:
+        return 0.0
+    model = getattr(model, "module", model)
+    model = getattr(model, "_orig_mod", model)
+    own = getattr(model, "flops_per_token", None)
+    if callable(own) and row_len:
+        return float(own(row_len))
+    return 6.0 * sum(p.numel() for p in model.parameters())
 
 
 def peak_flops_from_probe(device: torch.device) -> dict[str, float]:
@@ -474,9 +489,12 @@ def run_bench(
                     f"{c.name}: rounds cut at {max_round_s:.0f} s before the token budget; parity not judged"
                 )
             info = c.info()
-            n_params = getattr(c, "model", None)
-            params = sum(p.numel() for p in n_params.parameters()) if n_params is not None else 0
-            mfu = med * 6 * params / peak.get(c.precision, peak["fp32"])
+            row_len = info.get("recipe", {}).get("shapes", {}).get("max_len", 0)
+            mfu = (
+                med
+                * model_flops_per_token(getattr(c, "model", None), row_len)
+                / peak.get(c.precision, peak["fp32"])
+            )
             noisy = med > 0 and _iqr(tps) / med > NOISY_IQR_RATIO
             if noisy:
                 warnings.append(
