@@ -36,8 +36,9 @@ from .distributed.env import DistEnv, agree, init_process_group, local_device
 from .machine import Decision
 from .metrics import MetricsSummary, MetricsTracker
 from .models.convention import SHIFTED, BatchConvention, detect_convention, is_hf_model, loss_of
+from .optimizers import Params, build_optimizer, resolve_optimizer_impl
 from .precision import LossScaler, resolve_precision, resolve_precision_decision
-from .recipe import KernelsConfig, OptimizerConfig, Recipe, RecipeError
+from .recipe import KernelsConfig, Recipe, RecipeError
 from .shapes.loader import ShapedLoader
 
 if TYPE_CHECKING:
@@ -126,49 +127,6 @@ def _kernels_decision(swapped: dict[str, object], device: torch.device) -> Decis
             "the logits (0.065x peak memory, benchmarks/kernels.py memory)"
         )
     return Decision("kernels.ops", ",".join(ops) or "none", why)
-
-
-def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """Decay matrices only; biases, norms and embeddings' 1-D params are not decayed (GPT-2 practice)."""
-    seen, decay, no_decay = set(), [], []
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def resolve_optimizer_impl(cfg: OptimizerConfig, device: torch.device) -> str:
-    """auto: fused on CUDA (one kernel for all parameters), torch's own default elsewhere."""
-    if cfg.impl == "auto":
-        return "fused" if device.type == "cuda" else "auto"
-    return cfg.impl
-
-
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    impl: dict[str, bool] = {}
-    choice = resolve_optimizer_impl(cfg, device)
-    if choice == "fused":
-        impl = {"fused": True}
-    elif choice == "foreach":
-        impl = {"foreach": True}
-    elif choice == "for-loop":
-        impl = {"foreach": False}
-    groups = build_param_groups(model, cfg.weight_decay)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **impl)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9, **impl)
-
-
-class _Params(nn.Module):
-    """Parameters without a model: what build_optimizer needs to build an optimizer over copies."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        super().__init__()
-        self.tensors = nn.ParameterList(nn.Parameter(t.detach(), requires_grad=True) for t in tensors)
-        for p, t in zip(self.tensors, tensors):
-            p.grad = t.grad
 
 
 class Session:
@@ -475,7 +433,7 @@ class Session:
             return Decision("optimizer.impl", "foreach", "fsdp: sharded parameters are not timed on copies")
 
         def make(copies: list[torch.Tensor], impl: str) -> torch.optim.Optimizer:
-            return build_optimizer(_Params(copies), replace(cfg, impl=impl), self.device)  # type: ignore[arg-type]
+            return build_optimizer(Params(copies), replace(cfg, impl=impl), self.device)  # type: ignore[arg-type]
 
         timings = time_optimizer_impls(params, make) if params else None
         if not timings:
