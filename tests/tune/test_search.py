@@ -59,7 +59,7 @@ def test_pruning_steers_bayesian_from_gp_to_tpe():
 
 def test_auto_multi_objective_and_missing_scipy(monkeypatch):
     assert choose_method("auto", _floats(2), 20, n_objectives=2).method == "nsga2"
-    monkeypatch.setattr(search, "_has", lambda m: m != "scipy")
+    monkeypatch.setattr(search, "has_module", lambda m: m != "scipy")
     choice = choose_method("auto", _floats(2), 20)
     assert choice.method == "tpe" and "scipy" in choice.reason
 

@@ -38,8 +38,9 @@ def _fmt(value: Any) -> str:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .objectives import SYNTHETIC, WorkloadObjective
-    from .search import _redact, make_pruner, open_storage, run_study, storage_url, summarize
+    from .search import make_pruner, run_study, summarize
     from .space import apply_params, base_params, parse_param
+    from .storage import open_storage, redact, storage_url
 
     if args.trials < 1:
         raise RecipeError(f"--trials {args.trials}: must be at least 1")
@@ -79,7 +80,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # Synthetic functions report no intermediate values: nothing to prune.
     pruner = None if args.objective else make_pruner(args.pruner, warmup_steps=warmup)
 
-    print(f"study {study_name!r} in {_redact(storage_url(args.storage, run_dir))}")
+    print(f"study {study_name!r} in {redact(storage_url(args.storage, run_dir))}")
     print(f"minimising {what} over: " + "; ".join(p.describe() for p in space))
 
     def on_trial(study: Any, trial: Any) -> None:
