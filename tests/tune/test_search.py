@@ -127,15 +127,15 @@ def test_storage_kinds_and_errors(tmp_path, monkeypatch):
 
 def test_bare_postgresql_url_names_the_installed_driver(monkeypatch):
     # SQLAlchemy 2.0 reads a bare postgresql:// as psycopg2, 2.1 as psycopg (3): name what is there.
-    from slipstream.tune import search
+    from slipstream.tune import storage
 
     installed = {"psycopg"}
-    monkeypatch.setattr(search, "_has", lambda m: m in installed)
-    assert search.postgres_driver("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    monkeypatch.setattr(storage, "has_module", lambda m: m in installed)
+    assert storage.postgres_driver("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
     installed = {"psycopg2"}
-    assert search.postgres_driver("postgresql://u@h/db") == "postgresql+psycopg2://u@h/db"
-    assert search.postgres_driver("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
-    assert search.postgres_driver("sqlite:///x.db") == "sqlite:///x.db"
+    assert storage.postgres_driver("postgresql://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert storage.postgres_driver("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert storage.postgres_driver("sqlite:///x.db") == "sqlite:///x.db"
 
 
 def test_unreachable_database_is_a_clear_error(tmp_path):
