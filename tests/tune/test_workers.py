@@ -18,6 +18,18 @@ def _start(url, study, n, sleep_s, *extra):
     return subprocess.Popen([sys.executable, str(WORKER), url, study, str(n), str(sleep_s), *extra])
 
 
+def assert_killed_worker_failed_and_survivor_finished(url, study, doomed_pid, survivor_pid, n):
+    """The killed worker's trial is FAILED (heartbeat), the survivor ran all n, none is left RUNNING."""
+    trials = _trials(url, study)
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(failed) == 1 and failed[0].user_attrs["slipstream_worker"].endswith(f":{doomed_pid}")
+    assert len(complete) == n
+    assert all(t.user_attrs["slipstream_worker"].endswith(f":{survivor_pid}") for t in complete)
+    assert not any(t.state == TrialState.RUNNING for t in trials)
+    return trials
+
+
 def _trials(url, study):
     return optuna.load_study(study_name=study, storage=url).get_trials(deepcopy=False)
 
@@ -58,10 +70,4 @@ def test_killed_worker_leaves_a_failed_trial_and_the_other_finishes(tmp_path):
     doomed.wait(timeout=30)
     survivor = _start(url, "crash", n, 0.2)
     assert survivor.wait(timeout=300) == 0
-    trials = _trials(url, "crash")
-    failed = [t for t in trials if t.state == TrialState.FAIL]
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    assert len(failed) == 1 and failed[0].user_attrs["slipstream_worker"].endswith(f":{doomed.pid}")
-    assert len(complete) == n
-    assert all(t.user_attrs["slipstream_worker"].endswith(f":{survivor.pid}") for t in complete)
-    assert not any(t.state == TrialState.RUNNING for t in trials)
+    assert_killed_worker_failed_and_survivor_finished(url, "crash", doomed.pid, survivor.pid, n)
