@@ -207,7 +207,9 @@ CASES = [
     Case("train-nproc-0", "train --nproc 0", ("--nproc must be >= 1",)),
     Case("bench-rounds-0", "bench --rounds 0", ("rounds=0", "at least 1")),
     Case("bench-no-recipes", "bench --recipes ,", ("names no recipe", "--recipes baseline")),
-    Case("bench-unknown-peer", "bench --peers nosuch", ("unknown peer 'nosuch'", "available: diy")),
+    Case(
+        "bench-unknown-peer", "bench --peers nosuch", ("unknown peer 'nosuch'", "available: accelerate, diy")
+    ),
     Case("bench-negative-warmup", "bench --warmup-steps -1", ("--warmup-steps -1", ">= 0")),
     Case("bench-val-batches-0", "bench --val-batches 0", ("--val-batches 0", ">= 1")),
     Case(

@@ -346,7 +346,7 @@ def run_bench(
     specs = [resolve_recipe(s.split("@", 1)[-1] if s in custom else s) for s in recipes]
     for peer in peers or []:
         if peer not in PEERS:
-            raise RecipeError(f"unknown peer {peer!r}; available: {', '.join(PEERS)}")
+            raise RecipeError(f"unknown peer {peer!r}; available: {', '.join(sorted(PEERS))}")
     wl = get_workload(workload)
     if size not in wl.sizes:
         raise RecipeError(f"workload {workload!r} has no size {size!r}; choose one of {', '.join(wl.sizes)}")
