@@ -1,0 +1,168 @@
+"""Serving soak: a long run at 80% of the sustainable rate, watching the server for leaks.
+
+Starts `slipstream serve` (built-in GPT, scoring and generation), finds the highest open-loop
+scoring rate whose p99 stays under the SLO (`loadtest --sweep`'s method), then offers 80% of it
+for `--minutes` with a generation request mixed in every so often, sampling the server process's
+RSS, open file descriptors and threads every 10 s. A leak shows as growth between the first and
+the last minutes (after warm-up); the JSON keeps every sample.
+
+    python benchmarks/serve_soak.py --minutes 10 --out benchmarks/results/serve-soak-<host>.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo root, not benchmarks/ (kernels.py)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import httpx  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, threads: int) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "slipstream", "serve", "--size", "tiny", "--max-len", "256",
+        "--threads", str(threads), "--port", str(port), "--quantize", "none", "--generate-slots", "4",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("server not ready in 120 s")
+
+
+def sample(pid: int) -> dict:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+    return {
+        "rss_mib": round(rss_kib / 1024, 1),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--slo-ms", type=float, default=1000.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    import torch
+
+    from slipstream.files import write_json
+    from slipstream.serve.loadgen import open_loop, sweep, validation_payloads
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(port, args.threads)
+    payloads = validation_payloads(max_tokens=256, n=200)
+    gen_payloads = validation_payloads(max_tokens=256, n=20, endpoint="generate", max_new_tokens=16)
+    try:
+        found = asyncio.run(
+            sweep(
+                {"slipstream": base + "/v1/score"},
+                payloads,
+                slo_p99_s=args.slo_ms / 1e3,
+                start_rps=20,
+                step_duration_s=8,
+                refine_steps=2,
+            )  # fmt: skip
+        )["slipstream"]
+        if found.max_rate_rps is None:
+            raise SystemExit("no rate met the SLO; raise --slo-ms")
+        rate = 0.8 * found.max_rate_rps
+        print(
+            f"sustainable {found.max_rate_rps:.1f} req/s at p99 <= {args.slo_ms:.0f} ms; soaking at {rate:.1f}"
+        )
+        samples: list[dict] = []
+        stop = threading.Event()
+        t0 = time.monotonic()
+
+        def watch() -> None:
+            while not stop.is_set():
+                samples.append({"t_s": round(time.monotonic() - t0, 1), **sample(server.pid)})
+                stop.wait(10)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        duration = args.minutes * 60
+
+        async def soak():
+            return await asyncio.gather(
+                open_loop(base + "/v1/score", payloads, rate, duration, seed=1),
+                open_loop(base + "/v1/generate", gen_payloads, 0.5, duration, seed=2),
+            )
+
+        scored, generated = asyncio.run(soak())
+        stop.set()
+        watcher.join()
+        samples.append({"t_s": round(time.monotonic() - t0, 1), **sample(server.pid)})
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+    first = [s for s in samples if 60 <= s["t_s"] < 120] or samples[:6]
+    last = samples[-6:]
+
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    summary = {
+        "benchmark": "serve_soak",
+        "date": datetime.date.today().isoformat(),
+        "host": {
+            "cpu": platform.processor() or platform.machine(),
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "server": f"slipstream serve --size tiny --max-len 256 --threads {args.threads} --generate-slots 4",
+        "sustainable_rate_rps": found.max_rate_rps,
+        "soak_rate_rps": rate,
+        "minutes": args.minutes,
+        "score": {k: v for k, v in scored.to_json().items() if k not in ("url",)},
+        "generate": {k: v for k, v in generated.to_json().items() if k not in ("url",)},
+        "exit_code": server.returncode,
+        "start_minute_2": {k: med(first, k) for k in ("rss_mib", "fds", "threads")},
+        "end_last_minute": {k: med(last, k) for k in ("rss_mib", "fds", "threads")},
+        "samples": samples,
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=2, default=str))
+    if args.out:
+        write_json(args.out, summary)
+
+
+if __name__ == "__main__":
+    main()
