@@ -73,6 +73,12 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--slo-ms", type=float, default=1000.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=0.8,
+        help="share of the swept sustainable rate to offer (default 0.8)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -99,7 +105,7 @@ def main() -> None:
         )["slipstream"]
         if found.max_rate_rps is None:
             raise SystemExit("no rate met the SLO; raise --slo-ms")
-        rate = 0.8 * found.max_rate_rps
+        rate = args.fraction * found.max_rate_rps
         print(
             f"sustainable {found.max_rate_rps:.1f} req/s at p99 <= {args.slo_ms:.0f} ms; soaking at {rate:.1f}"
         )
