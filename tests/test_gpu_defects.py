@@ -116,7 +116,7 @@ def test_fp8_pads_the_weight_gradients_inner_dim_to_16(monkeypatch):
 
 def test_cuda_probe_measures_large_matmuls_and_mfu_takes_the_best(monkeypatch, tmp_path):
     from slipstream import machine
-    from slipstream.bench.runner import peak_flops_from_probe
+    from slipstream.bench.mfu import peak_flops_from_probe
 
     asked: list[tuple[str, tuple[int, ...]]] = []
 

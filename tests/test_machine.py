@@ -11,7 +11,7 @@ import torch
 from slipstream import machine
 from slipstream.cli import main
 from slipstream.machine import PAYS_RATIO, Check, MachineProbe, decide_precision, decide_serve_quantize
-from slipstream.serve.cli import resolve_quantize
+from slipstream.serve.server_cli import resolve_quantize
 
 
 def fed(

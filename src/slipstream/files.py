@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import socket
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,29 @@ def _remove_stale_temps(path: Path) -> None:
             pass  # alive, but another user's
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _mode_for(path: Path) -> int:
+    """The permissions a plain open() would leave: the replaced file's own, else 0666 less the
+    umask. mkstemp creates 0600 files, which others sharing a run folder could not read."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Call `write(file)` so that a crash leaves the old `path` or the new one, never a torn one:
     a temp file beside it, fsynced, renamed over it, and the rename made durable. A full disk
@@ -74,6 +98,7 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()

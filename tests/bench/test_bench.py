@@ -198,7 +198,7 @@ def test_a_contender_that_crashes_mid_run_is_dropped_and_the_rest_finish():
 def test_mfu_counts_the_models_own_flops_formula():
     from torch import nn
 
-    from slipstream.bench.runner import model_flops_per_token
+    from slipstream.bench.mfu import model_flops_per_token
     from slipstream.workloads.gpt import build_gpt
 
     gpt = build_gpt("tiny", max_len=64)

@@ -9,6 +9,7 @@ the real exit status and stderr.
 from __future__ import annotations
 
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -259,7 +260,12 @@ CASES = [
         "serve --port 0 --model {bad}/empty_dir",
         ("no config.json", "save_pretrained"),
     ),
-    Case("loadtest-rate-0", "loadtest --rate 0 --duration 1", ("--rate and --duration must be > 0",)),
+    Case("loadtest-rate-0", "loadtest --rate 0 --duration 1", ("--rate 0", "must be > 0")),
+    Case(
+        "loadtest-no-server",
+        "loadtest --url http://127.0.0.1:{free}/v1/score --rate 1",
+        ("nothing answers", "slipstream serve"),
+    ),
     Case(
         "loadtest-remote-url", "loadtest --url http://example.com/v1/score --rate 1", ("only this machine",)
     ),
@@ -271,8 +277,17 @@ CASES = [
 ]
 
 
+def _free_port() -> int:
+    """A port nothing listens on (bound for a moment by us, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _fill(text: str, bad: Path, ck: Path, busy: int) -> str:
-    return text.format(bad=bad, ck=ck, busy=busy)
+    if "{free}" not in text:
+        return text.format(bad=bad, ck=ck, busy=busy)
+    return text.format(bad=bad, ck=ck, busy=busy, free=_free_port())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

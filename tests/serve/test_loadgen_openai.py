@@ -237,6 +237,19 @@ def test_cli_refuses_a_non_openai_url_for_openai_endpoints(fake, capsys):
     assert code == 2 and "needs an OpenAI URL" in capsys.readouterr().err
 
 
+def test_a_run_in_which_no_request_succeeds_exits_1_with_its_json_written(fake, tmp_path, capsys):
+    _, base = fake
+    prompts = tmp_path / "busy.txt"
+    prompts.write_text("busy one\n\nbusy two\n")
+    out = tmp_path / "r.json"
+    argv = ["loadtest", "--url", base + "/v1/completions", "--endpoint", "completions", "--model-name", MODEL]
+    argv += ["--rate", "20", "--duration", "0.3", "--prompts", str(prompts), "--json", str(out)]
+    assert cli.main(argv) == 1
+    assert "none of" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["ok"] == 0 and data["errors_by_status"]["503"] == data["sent"] > 0
+
+
 def test_prompts_from_jsonl_text_and_the_default_corpus(tmp_path):
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "abcdef"}\n\n{"text": "xyz", "other": 1}\n')

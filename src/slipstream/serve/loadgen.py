@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import urllib.request
 from collections import Counter
@@ -39,6 +40,20 @@ def check_loopback(url: str) -> None:
     host = urlparse(url).hostname
     if host not in LOOPBACK:
         raise RecipeError(f"--url {url!r}: load tests target only this machine (127.0.0.1, localhost, ::1)")
+
+
+def check_reachable(url: str, timeout_s: float = 5.0) -> None:
+    """Refuse to start when nothing listens at the URL: a run against a stopped server would only
+    count connection errors for the whole duration."""
+    parts = urlparse(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise RecipeError(
+            f"nothing answers at {parts.hostname}:{port} ({err.strerror or err}); "
+            "start `slipstream serve` there first, or pass --url"
+        ) from None
 
 
 @dataclass
