@@ -53,7 +53,8 @@ def _step(model, opt, batch, sleep_s: float = 0.0) -> None:
 def run(
     size: str, workers: int, rounds: int, steps: int, depth: int, modes: list[str], sleep_s: float = 0.0
 ) -> dict[str, object]:
-    from slipstream.dataflow import PrefetchLoader, SampleLoader
+    from slipstream.dataflow import PrefetchLoader
+    from slipstream.samples import SampleLoader
     from slipstream.workloads.vision import BATCH_SIZE, build_cnn, collate_images, load_vision_data
 
     t0 = time.perf_counter()

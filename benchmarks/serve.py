@@ -167,7 +167,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> Non
 
 def compare(args) -> int:
     from slipstream.doctor import machine_info
-    from slipstream.serve import loadgen
+    from slipstream.serve import bodies, loadgen
 
     if args.overload_s > 0 and args.overload_system not in args.systems.split(","):
         raise SystemExit(f"--overload-system {args.overload_system} is not among --systems {args.systems}")
@@ -271,7 +271,7 @@ def compare(args) -> int:
         urls = {name: f"http://127.0.0.1:{ports[name]}/v1/score" for name in systems}
         for name in systems:
             _wait_ready(urls[name], procs[name])
-        payloads = loadgen.validation_payloads(max_tokens=args.max_len)
+        payloads = bodies.validation_payloads(max_tokens=args.max_len)
         lengths = [len(p["tokens"]) for p in payloads]
         print(
             f"{len(payloads)} payloads, median {sorted(lengths)[len(lengths) // 2]} tokens; SLO p99 <= {args.slo_ms} ms",

@@ -25,7 +25,8 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
 
-from slipstream.serve.generate import Decoder, Generator, GeneratorConfig  # noqa: E402
+from slipstream.serve.decoder import Decoder  # noqa: E402
+from slipstream.serve.generate import Generator, GeneratorConfig  # noqa: E402
 from slipstream.serve.model import load_hf_model  # noqa: E402
 
 

@@ -55,7 +55,7 @@ from benchmarks.serve_procs import (  # noqa: E402
     wait_ready,
 )
 
-from slipstream.serve import loadgen  # noqa: E402
+from slipstream.serve import bodies, loadgen  # noqa: E402
 
 
 @dataclass
@@ -174,8 +174,8 @@ def run(args) -> int:
     todo = systems(args)
     if not todo:
         raise SystemExit(f"--systems {args.systems!r}: name slipstream and/or transformers")
-    prompts = loadgen.load_prompts(args.prompts, args.prompt_chars)
-    endpoint = loadgen.OPENAI_ENDPOINTS[args.endpoint]
+    prompts = bodies.load_prompts(args.prompts, args.prompt_chars)
+    endpoint = bodies.OPENAI_ENDPOINTS[args.endpoint]
     procs, ready_s, payloads, exits = {}, {}, {}, {}
     result: dict = {
         "benchmark": "serve-openai-max-rate-under-p99-slo",
@@ -214,7 +214,7 @@ def run(args) -> int:
                 sys_.url(sys_.ready_path), procs[name], args.ready_timeout_s, logs / f"{name}.log"
             )
             model = loadgen.served_model(sys_.url(endpoint))
-            payloads[name] = loadgen.openai_payloads(
+            payloads[name] = bodies.openai_payloads(
                 prompts, args.endpoint, model, args.max_new_tokens, stream=True
             )
             result["systems"][name] |= {"ready_s": ready_s[name], "model_field": model}
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--systems", default="slipstream,transformers", help="comma-separated: slipstream, transformers"
     )
-    p.add_argument("--endpoint", choices=tuple(loadgen.OPENAI_ENDPOINTS), default="completions")
+    p.add_argument("--endpoint", choices=tuple(bodies.OPENAI_ENDPOINTS), default="completions")
     p.add_argument("--max-new-tokens", type=int, default=64, help="max_tokens of every request")
     p.add_argument(
         "--prompts", default=None, help="loadtest's --prompts (default: Debian copyright paragraphs)"

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.dataflow import Prefetcher, PrefetchLoader, SampleLoader, prefetch
+from slipstream.dataflow import Prefetcher, PrefetchLoader, prefetch
 from slipstream.recipe import DataflowConfig, Recipe, RecipeError, RuntimeConfig, ShapesConfig
+from slipstream.samples import SampleLoader
 from slipstream.session import Session
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from slipstream.kernels import fused_linear_cross_entropy
 from slipstream.metrics import MetricsTracker
 from slipstream.precision import apply_fp8
-from slipstream.session import seed_everything
+from slipstream.runtime import seed_everything
 
 # ----------------------------------------------------------------------------- step times wait for the device
 

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from slipstream import machine
+from slipstream import decisions, machine
 from slipstream.cli import main
-from slipstream.machine import PAYS_RATIO, Check, MachineProbe, decide_precision, decide_serve_quantize
+from slipstream.decisions import PAYS_RATIO, decide_precision, decide_serve_quantize
+from slipstream.machine import Check, MachineProbe
 from slipstream.serve.server_cli import resolve_quantize
 
 
@@ -43,14 +44,14 @@ def test_avx2_figures_decide_fp32_and_the_reason_names_both():
     d = decide_precision("cpu", AVX2)
     assert (d.field, d.choice) == ("precision.dtype", "fp32")
     assert "bf16 0.8 GFLOP/s" in d.reason and "fp32 60.0 GFLOP/s" in d.reason and "(0.01x)" in d.reason
-    assert not machine.bf16_pays(p=AVX2)
+    assert not decisions.bf16_pays(p=AVX2)
     assert decide_serve_quantize("cpu", AVX2).choice == "none"
 
 
 def test_amx_figures_decide_bf16():
     d = decide_precision("cpu", AMX)
     assert d.choice == "bf16" and "(4.00x): used by auto" in d.reason
-    assert machine.bf16_pays(p=AMX)
+    assert decisions.bf16_pays(p=AMX)
     assert decide_serve_quantize("cpu", AMX).to_dict() == {
         "field": "serve.quantize",
         "choice": "bf16",
@@ -88,12 +89,12 @@ def test_cuda_without_native_bf16_picks_fp16_and_cpu_never_does():
     gpu = fed(figures, device="cuda", notes={"bf16": "no native bf16 on this GPU (compute capability < 8.0)"})
     d = decide_precision("cuda", gpu)
     assert d.choice == "fp16" and "compute capability < 8.0" not in d.reason and "fp16 110,000.0" in d.reason
-    assert "bf16: no native bf16" in machine.dtype_verdict(gpu, "bf16")[1]
+    assert "bf16: no native bf16" in decisions.dtype_verdict(gpu, "bf16")[1]
     assert decide_serve_quantize("cuda", gpu).choice == "none"  # serve's auto casts weights to bf16 only
     # The same figures measured on a CPU: fp16 needs loss scaling, auto keeps it for CUDA.
     cpu = fed(figures)
     assert decide_precision("cpu", cpu).choice == "fp32"
-    assert "CUDA only" in machine.dtype_verdict(cpu, "fp16")[1]
+    assert "CUDA only" in decisions.dtype_verdict(cpu, "fp16")[1]
 
 
 def test_serve_quantize_auto_reads_the_probe_and_explicit_modes_are_kept():
@@ -108,12 +109,15 @@ def test_serve_quantize_auto_reads_the_probe_and_explicit_modes_are_kept():
 def test_describe_prints_a_verdict_per_dtype_and_the_copy_bandwidth():
     p = fed(AVX2.matmul_flops_per_s)
     p.checks["compile"] = Check(True, "compiled and ran a function in 20.00 s (first compile)", 20.0)
-    text = "\n".join(machine.describe(p))
+    text = "\n".join(decisions.describe(p))
     assert "bf16 0.8 GFLOP/s vs fp32 60.0 GFLOP/s at 1024^2 (0.01x): not used" in text
     assert "copy host_memcpy: 10.0 GB/s" in text and "compile: ok" in text
     assert "load average" not in text
     p.load_average_1m = 2.7  # a probe taken while other jobs ran says so, and how to redo it
-    assert "load average was 2.7" in "\n".join(machine.describe(p)) and "--refresh" in machine.describe(p)[-1]
+    assert (
+        "load average was 2.7" in "\n".join(decisions.describe(p))
+        and "--refresh" in decisions.describe(p)[-1]
+    )
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -241,7 +245,7 @@ def test_real_probe_on_this_host_has_figures_and_a_decision(tmp_path, monkeypatc
     d = decide_precision("cpu", p)
     assert d.choice in ("fp32", "bf16") and "GFLOP/s" in d.reason
     assert machine.cache_path(p.key, tmp_path).is_file()
-    print("\n".join(machine.describe(p)), f"\nprobe took {p.probe_s:.2f} s", sep="\n")
+    print("\n".join(decisions.describe(p)), f"\nprobe took {p.probe_s:.2f} s", sep="\n")
 
 
 # ----------------------------------------------------------------------------- slipstream doctor

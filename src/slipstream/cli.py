@@ -155,15 +155,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # The demo shows what pays here: a recipe forcing a cheaper dtype runs only where the probe
     # measured it faster than fp32 by PAYS_RATIO; elsewhere only dtypes 4x+ slower are skipped.
     from .bench.runner import SLOW_DTYPE_FACTOR
-    from .machine import PAYS_RATIO
+    from .decisions import PAYS_RATIO
 
     min_dtype_speed = None if args.all_dtypes else PAYS_RATIO if demo else 1 / SLOW_DTYPE_FACTOR
     if args.set:  # the same overrides for every recipe (and so for the peers, via the reference)
         recipes = [r + "".join(f"+{a}" for a in args.set) for r in recipes]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else []
     if demo or args.show_machine:
-        from .machine import describe, probe
-        from .session import resolve_device
+        from .decisions import describe
+        from .machine import probe
+        from .runtime import resolve_device
 
         device = resolve_device(resolve_recipe(recipes[0]).runtime.device)
         for line in describe(probe(device)):

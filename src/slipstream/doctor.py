@@ -53,7 +53,7 @@ def diagnose(
     """The doctor report: versions, the machine probe (from the cache unless `refresh`), a verdict
     per dtype, and the `auto` decisions taken from it. `check_compile=False` skips the
     torch.compile check (a first compile costs 15-25 s on a 2-core CPU) unless it is cached."""
-    from . import machine
+    from . import decisions, machine
 
     checks = ("compile", "triton") if check_compile else ("triton",)
     t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def diagnose(
         report["fp8_supported"] = capability >= (8, 9)
     report["dtypes"] = {}
     for dtype in ("fp32", "bf16", "fp16"):
-        pays, verdict = machine.dtype_verdict(p, dtype)
+        pays, verdict = decisions.dtype_verdict(p, dtype)
         ratio, n = p.speed_vs_fp32(dtype)
         report["dtypes"][dtype] = {
             "pays": pays,
@@ -90,13 +90,13 @@ def diagnose(
     }
     report["decisions"] = {
         d.field: {"choice": d.choice, "reason": d.reason}
-        for d in (machine.decide_precision(dev, p), machine.decide_serve_quantize(dev, p))
+        for d in (decisions.decide_precision(dev, p), decisions.decide_serve_quantize(dev, p))
     }
     report["probe_source"] = "cache" if p.cached else "measured"
     report["probe_s"] = p.probe_s
     report["lookup_s"] = lookup_s
     report["probe_measured_at"] = p.measured_at
     report["probe_cache_file"] = str(machine.cache_path(p.key))
-    report["summary"] = machine.describe(p)
+    report["summary"] = decisions.describe(p)
     report["probe"] = p.to_dict()
     return report

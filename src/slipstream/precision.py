@@ -49,7 +49,7 @@ def resolve_precision_decision(cfg: PrecisionConfig, device: torch.device):
     """The dtype and why: for `auto`, the machine probe's matmul figures decide (bf16 only where it
     measured faster than fp32 here: it is ~75x slower on AVX2-only CPUs); an explicit dtype is
     checked and kept."""
-    from .machine import Decision, decide_precision
+    from .decisions import Decision, decide_precision
 
     if cfg.dtype == "auto":
         return decide_precision(device)

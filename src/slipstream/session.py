@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -31,14 +30,16 @@ from torch import nn
 
 from . import precision as _precision
 from .compile import apply_activation_checkpointing, apply_compile, apply_cudagraphs, compile_stats
-from .dataflow import PrefetchLoader, SampleLoader
+from .dataflow import PrefetchLoader
+from .decisions import Decision
 from .distributed.env import DistEnv, agree, init_process_group, local_device
-from .machine import Decision
 from .metrics import MetricsSummary, MetricsTracker
 from .models.convention import SHIFTED, BatchConvention, detect_convention, is_hf_model, loss_of
 from .optimizers import Params, build_optimizer, resolve_optimizer_impl
 from .precision import LossScaler, resolve_precision, resolve_precision_decision
 from .recipe import KernelsConfig, Recipe, RecipeError
+from .runtime import resolve_device, seed_everything
+from .samples import SampleLoader
 from .shapes.loader import ShapedLoader
 
 if TYPE_CHECKING:
@@ -52,48 +53,6 @@ __all__ = [
     "resolve_device",
     "resolve_precision",
 ]
-
-
-def resolve_device(choice: str) -> torch.device:
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RecipeError("runtime.device=cuda but no CUDA device is visible; use runtime.device=auto or cpu")
-    return torch.device(choice)
-
-
-def seed_everything(seed: int, deterministic: bool) -> Callable[[], None]:
-    """Seed every RNG; with `deterministic`, switch torch to deterministic algorithms. Returns the
-    function that puts the process-wide switches back as they were (Session.close calls it), so
-    one deterministic run does not slow down whatever the process runs next."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if not deterministic:
-        return lambda: None
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cudnn.benchmark,
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
-    if torch.cuda.is_available():
-        # deterministic cuBLAS needs a fixed workspace, or its first call raises; a user's own
-        # setting is kept
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=False)
-    torch.backends.cudnn.benchmark = False
-
-    def restore() -> None:
-        enabled, warn_only, benchmark, cublas = before
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        torch.backends.cudnn.benchmark = benchmark
-        if cublas is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
-
-    return restore
 
 
 def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) -> dict[str, object]:

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.serve.generate import Decoder, Generator, GeneratorConfig, sample
+from slipstream.serve.decoder import Decoder
+from slipstream.serve.generate import Generator, GeneratorConfig
+from slipstream.serve.sampling import sample
 
 from .oracles import generate_reference
 

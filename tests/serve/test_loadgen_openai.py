@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from slipstream.recipe import RecipeError
-from slipstream.serve import cli, loadgen
+from slipstream.serve import bodies, cli, loadgen
 
 from .conftest import free_port
 
@@ -120,7 +120,7 @@ def test_streamed_completions_measure_ttft_inter_token_latency_and_usage_tokens(
     srv, base = fake
     srv.bodies.clear()
     n = 5
-    payloads = loadgen.openai_payloads(["ok one", "ok two"], "completions", MODEL, n, stream=True)
+    payloads = bodies.openai_payloads(["ok one", "ok two"], "completions", MODEL, n, stream=True)
     res = asyncio.run(loadgen.open_loop(base + "/v1/completions", payloads, 20, 1.0, seed=3))
     assert res.sent == len(srv.bodies) >= 10 and res.ok == res.sent and not res.errors_by_status
     # tokens from the usage chunk (2 per text chunk here), not from counting chunks
@@ -147,7 +147,7 @@ def test_chat_stream_without_usage_counts_text_chunks_not_role_or_finish_chunks(
 
 def test_non_streamed_answers_take_tokens_from_usage_and_have_no_ttft(fake):
     srv, base = fake
-    payloads = loadgen.openai_payloads(["ok"], "completions", MODEL, 3, stream=False)
+    payloads = bodies.openai_payloads(["ok"], "completions", MODEL, 3, stream=False)
     assert "stream_options" not in payloads[0] and payloads[0]["stream"] is False
     res = asyncio.run(loadgen.open_loop(base + "/v1/completions", payloads, 10, 0.5, seed=2))
     assert res.ok == res.sent > 0 and res.output_tokens == res.ok * 9
@@ -159,7 +159,7 @@ def test_refusals_and_broken_answers_are_counted_by_kind(fake):
     srv.bodies.clear()
     n = 3
     prompts = ["ok", "busy", "limit", "cut", "oops", "hang"]
-    payloads = loadgen.openai_payloads(prompts, "completions", MODEL, n, stream=True)
+    payloads = bodies.openai_payloads(prompts, "completions", MODEL, n, stream=True)
     res = asyncio.run(loadgen.open_loop(base + "/v1/completions", payloads, 40, 1.0, seed=5, timeout_s=0.5))
     seen = srv.kinds()
     assert res.sent == sum(seen.values()) and all(seen[k] > 0 for k in prompts)
@@ -179,7 +179,7 @@ def test_refusals_and_broken_answers_are_counted_by_kind(fake):
 
 def test_sweep_judges_openai_streams_on_end_to_end_p99(fake):
     srv, base = fake
-    payloads = loadgen.openai_payloads(["ok"], "chat", MODEL, 5, stream=True)
+    payloads = bodies.openai_payloads(["ok"], "chat", MODEL, 5, stream=True)
     url = base + "/v1/chat/completions"
     kw = dict(start_rps=20, factor=2, step_duration_s=0.5, max_steps=2, pause_s=0.05)
     res = asyncio.run(loadgen.sweep({"fake": url}, payloads, slo_p99_s=5.0, **kw))["fake"]
@@ -196,8 +196,8 @@ def test_sweep_sends_each_target_its_own_payloads(fake):
     srv.bodies.clear()
     targets = {"a": base + "/v1/completions", "b": base + "/v1/chat/completions"}
     payloads = {
-        "a": loadgen.openai_payloads(["ok"], "completions", "model-a", 2, stream=True),
-        "b": loadgen.openai_payloads(["ok"], "chat", "model-b", 2, stream=True),
+        "a": bodies.openai_payloads(["ok"], "completions", "model-a", 2, stream=True),
+        "b": bodies.openai_payloads(["ok"], "chat", "model-b", 2, stream=True),
     }
     res = asyncio.run(
         loadgen.sweep(
@@ -253,14 +253,14 @@ def test_a_run_in_which_no_request_succeeds_exits_1_with_its_json_written(fake, 
 def test_prompts_from_jsonl_text_and_the_default_corpus(tmp_path):
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "abcdef"}\n\n{"text": "xyz", "other": 1}\n')
-    assert loadgen.load_prompts(jl, chars=4) == ["abcd", "xyz"]
+    assert bodies.load_prompts(jl, chars=4) == ["abcd", "xyz"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"body": "b"}\n')
     with pytest.raises(RecipeError, match=r"bad.jsonl:2: .*\"prompt\" or \"text\""):
-        loadgen.load_prompts(bad)
+        bodies.load_prompts(bad)
     with pytest.raises(RecipeError, match="no such file"):
-        loadgen.load_prompts(tmp_path / "missing.txt")
-    default = loadgen.load_prompts(chars=50)
+        bodies.load_prompts(tmp_path / "missing.txt")
+    default = bodies.load_prompts(chars=50)
     assert len(default) > 100 and max(map(len, default)) == 50 and all(p.strip() for p in default)
 
 
@@ -268,7 +268,7 @@ def test_models_url_and_payload_shapes():
     assert loadgen.models_url("http://127.0.0.1:1/v1/chat/completions") == "http://127.0.0.1:1/v1/models"
     assert loadgen.models_url("http://127.0.0.1:1/x/v1/completions") == "http://127.0.0.1:1/x/v1/models"
     assert loadgen.is_openai("http://h/v1/chat/completions") and not loadgen.is_openai("http://h/v1/generate")
-    chat = loadgen.openai_payloads(["hi"], "chat", "m", 7, stream=False)[0]
+    chat = bodies.openai_payloads(["hi"], "chat", "m", 7, stream=False)[0]
     assert chat == {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
@@ -277,4 +277,4 @@ def test_models_url_and_payload_shapes():
         "stream": False,
     }
     with pytest.raises(RecipeError, match="choose from completions, chat"):
-        loadgen.openai_payloads(["hi"], "score", "m", 7)
+        bodies.openai_payloads(["hi"], "score", "m", 7)

@@ -52,8 +52,9 @@ class PeerBase(Contender):
         val_batches: int,
         real_tokens_per_step: float | None = None,
     ):
-        from ..machine import decide_precision
-        from ..session import Session, resolve_device
+        from ..decisions import decide_precision
+        from ..runtime import resolve_device
+        from ..session import Session
         from ..workloads import get_workload
 
         # A careful user picks bf16 only where it pays: the peers take the probe's verdict too.

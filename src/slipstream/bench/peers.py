@@ -5,7 +5,7 @@
 - `accelerate`: HF Accelerate (mixed_precision="bf16" where it pays) over the same batches.
 - `lightning`: PyTorch Lightning (precision="bf16-mixed" where it pays) over the same batches.
 
-"Where it pays" is the machine probe's verdict (slipstream.machine.decide_precision): a careful
+"Where it pays" is the machine probe's verdict (slipstream.decisions.decide_precision): a careful
 user does not turn on bf16 on a CPU where its matmuls are 75x slower than fp32's.
 
 Peers live behind the optional `peers` extra; one that cannot be built raises PeerUnavailable and

@@ -25,7 +25,8 @@ from ..models import loss_of
 from ..parity import judge_parity, noise_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
-from ..session import Session, resolve_device
+from ..runtime import resolve_device
+from ..session import Session
 from ..shapes.loader import Batch, ShapedLoader
 from ..train import evaluate
 from ..workloads import get_workload
@@ -204,8 +205,8 @@ def dtype_skip_reason(recipe: Recipe, min_dtype_speed: float) -> str | None:
     """Why a recipe that forces a cheaper dtype is not run here (None: run it): the probe measured
     that dtype's matmuls below `min_dtype_speed` x fp32's. `auto` is never skipped: it already
     decides by the probe."""
-    from ..machine import probe, too_slow
-    from ..session import resolve_device
+    from ..decisions import too_slow
+    from ..machine import probe
 
     dtype = recipe.precision.dtype
     if dtype not in ("bf16", "fp16"):

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .. import machine
+from .. import decisions, machine
 from ..bench.runner import run_bench
 from ..parity import judge_parity, noise_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
-from ..session import resolve_device
+from ..runtime import resolve_device
 
 MIN_GAIN = 0.02
 """A change must be at least 2% faster to be kept, even when a stage's rounds agree more closely:
@@ -139,7 +139,7 @@ def _stage_options(stage: Stage, best: Recipe, device) -> tuple[list[tuple[str, 
             notes.append(f"{opt[0]}: not tried (shapes.mode is {best.shapes.mode})")
             continue
         if stage.name == "precision":
-            why = machine.too_slow(machine.probe(device), value, TRY_DTYPE_RATIO)
+            why = decisions.too_slow(machine.probe(device), value, TRY_DTYPE_RATIO)
             if why:
                 notes.append(f"{opt[0]}: not tried ({why})")
                 continue

@@ -46,7 +46,7 @@ def capture_workload(
 ) -> Capture:
     """Profile slipstream's built-in loop for `config.total_steps` steps."""
     from ..presets import resolve_recipe
-    from ..session import resolve_device
+    from ..runtime import resolve_device
     from ..train import train
 
     cfg = config or CaptureConfig()

@@ -28,9 +28,9 @@ def bf16_verdict(device: str) -> tuple[bool, str]:
     """Whether bf16 matmuls *pay* here, and the measured figures that say so (the machine probe,
     cached per machine): not whether they merely run, which they do everywhere, 75x slower than
     fp32 on AVX2-only CPUs."""
-    from .. import machine
+    from .. import decisions, machine
 
-    return machine.dtype_verdict(machine.probe(device), "bf16")
+    return decisions.dtype_verdict(machine.probe(device), "bf16")
 
 
 # ----------------------------------------------------------------------------- steps

@@ -2,7 +2,8 @@
 
 One decode path for every model: the model's *own* forward runs with a `kv.SlotCache` (one row
 per running sequence, `[slots, kv_heads, max_len, head_dim]` per layer) and a 4-D mask — the
-built-in GPT and any Hugging Face causal LM alike (`LoadedModel.cached_logits`):
+built-in GPT and any Hugging Face causal LM alike (`LoadedModel.cached_logits`). `decoder.Decoder`
+runs the model:
 
 - `prefill(slots, prompts)`: the prompts admitted together run as one right-padded forward (length
   rounded up to a multiple of 16 on CPU, 64 on CUDA, so prompts share a few shapes), capped at
@@ -17,7 +18,7 @@ Continuous (iteration-level) batching: between two decode steps, finished sequen
 waiting ones are prefilled into the free slots. Static batching (for comparison): a batch is
 admitted only when every slot is free, and runs until its longest sequence ends.
 
-Sampling (greedy, temperature, top-k, top-p) runs on the device for the whole batch with Gumbel
+Sampling (`sampling.sample`: greedy, temperature, top-k, top-p) runs on the device for the whole batch with Gumbel
 noise from a counter-based hash of (seed, step, token id), so a request's tokens depend only on its
 own seed and prompt — not on which other requests shared its batch — and no per-request host sync
 is needed. One host copy per decode step (the batch's new tokens) feeds streaming and stop checks.
@@ -39,12 +40,11 @@ import torch
 from torch import Tensor
 
 from .batching import ewma
+from .decoder import Decoder, round_up
 from .engine import ServeError
-from .kv import SlotCache, decode_mask, prefill_mask
 from .metrics import ServeMetrics
 from .model import LoadedModel
-
-KEY_MULTIPLE = 128
+from .sampling import sample
 
 
 @dataclass(frozen=True)
@@ -69,121 +69,6 @@ class GeneratorConfig:
     latency_budget_s: float | None = None
     """Refuse (503) a request whose predicted end-to-end latency (wait for a slot + its own
     max_new_tokens decode steps) exceeds this; None = no such limit."""
-
-
-def _round_up(n: int, m: int, cap: int) -> int:
-    return min(cap, -(-n // m) * m)
-
-
-class Decoder:
-    """Prefill and one-token decode through the model's own forward over a SlotCache."""
-
-    def __init__(
-        self, loaded: LoadedModel, slots: int, dtype: torch.dtype = torch.float32, compile: bool = False
-    ):
-        kv = loaded.kv
-        self.loaded = loaded
-        self.slots = slots
-        self.max_len = loaded.max_len
-        self.device = next(loaded.model.parameters()).device
-        self.cache = SlotCache(
-            kv.n_layers, slots, kv.kv_heads, loaded.max_len, kv.head_dim, self.device, dtype
-        )
-        self.prefill_multiple = 64 if self.device.type == "cuda" else 16
-        if compile:
-            # On CUDA, inductor records a CUDA graph per compiled shape (one per key bucket).
-            options = {"triton.cudagraphs": True} if self.device.type == "cuda" else {}
-            self._decode = torch.compile(self._decode_impl, dynamic=False, options=options)
-        else:
-            self._decode = self._decode_impl
-
-    @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> Tensor:
-        """Fill each slot's cache with its prompt; logits [n, vocab] of the token after each."""
-        n = len(prompts)
-        P = _round_up(max(len(p) for p in prompts), self.prefill_multiple, self.max_len)
-        ids = torch.full((n, P), self.loaded.pad_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        self.cache.for_prefill(torch.as_tensor(slots, device=self.device), P)
-        positions = torch.arange(P, device=self.device).expand(n, P)
-        last = torch.as_tensor([len(p) - 1 for p in prompts], device=self.device)
-        mask = prefill_mask(n, P, self.device)
-        return self.loaded.cached_logits(self.loaded.model, ids, positions, self.cache, mask, last)
-
-    def _decode_impl(
-        self, tokens: Tensor, positions: Tensor, key_len: int, rows: Tensor | None = None
-    ) -> Tensor:
-        self.cache.for_decode(positions, key_len, rows)
-        mask = decode_mask(positions, key_len)
-        logits = self.loaded.cached_logits(
-            self.loaded.model, tokens[:, None], positions[:, None], self.cache, mask, None
-        )
-        return logits[:, -1]
-
-    @torch.inference_mode()
-    def decode_one_token(self, tokens: Tensor, positions: Tensor, rows: Tensor | None = None) -> Tensor:
-        """tokens, positions: [slots] (or [len(rows)] for the slots `rows` only: eager code gains
-        nothing from computing idle slots); logits [rows, vocab] of each one's next token."""
-        key_len = self.key_len_for(int(positions.max()) + 1)
-        if rows is None:
-            return self._decode(tokens, positions, key_len)
-        return self._decode_impl(tokens, positions, key_len, rows)
-
-    def key_len_for(self, n: int) -> int:
-        return _round_up(n, KEY_MULTIPLE, self.max_len)
-
-    def key_buckets(self, up_to: int) -> list[int]:
-        """Every key length a decode step over positions < up_to can attend to."""
-        return sorted({self.key_len_for(n) for n in range(1, up_to + 1)})
-
-
-def _hash_uniform(seed: Tensor, step: Tensor, vocab: int) -> Tensor:
-    """Uniform(0, 1) noise [S, vocab] from (seed, step, token id) alone: batch-independent sampling."""
-    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :]
-    x = (seed[:, None] * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + ids * 0x2C2B2AE3) & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF  # constants < 2**31 keep every product inside int64
-    x = x ^ (x >> 15)
-    x = (x * 0x6C8E9CF5) & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    return ((x.double() + 0.5) / 2**32).float().clamp(1e-7, 1 - 1e-7)
-
-
-def sample(
-    logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    seed: Tensor,
-    step: Tensor,
-    top_p: Tensor | None = None,
-    *,
-    any_top_k: bool = True,
-) -> Tensor:
-    """Next token per row: greedy where temperature == 0, else Gumbel-max over the logits left
-    by top-k (0 = all) and then top-p (the smallest set of most likely tokens whose probability
-    reaches top_p; 1 = all).
-
-    `any_top_k` is what the caller knows on the host about the batch: with no row asking for
-    top-k, the k-th-value search (a full sort) is skipped."""
-    logits = logits.float()
-    greedy = logits.argmax(-1)
-    scaled = logits / temperature.clamp(min=1e-6)[:, None]
-    V = logits.shape[-1]
-    if any_top_k:
-        k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
-        kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p is not None:
-        probs = scaled.softmax(-1)
-        sp = probs.sort(dim=-1, descending=True).values
-        keep = (sp.cumsum(-1) - sp) < top_p[:, None]  # the most likely token is always kept
-        floor = sp.masked_fill(~keep, 2.0).amin(-1, keepdim=True)
-        scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    gumbel = -torch.log(-torch.log(_hash_uniform(seed, step, V)))
-    sampled = (scaled + gumbel).argmax(-1)
-    return torch.where(temperature > 0, sampled, greedy)
 
 
 @dataclass(frozen=True)
@@ -489,7 +374,7 @@ class Generator:
         dec = self.decoder
         for item in sorted(admitted, key=lambda a: len(a[1].prompt)):  # similar lengths pad less
             if groups:
-                longest = _round_up(len(item[1].prompt), dec.prefill_multiple, dec.max_len)
+                longest = round_up(len(item[1].prompt), dec.prefill_multiple, dec.max_len)
                 if (len(groups[-1]) + 1) * longest <= self.config.max_prefill_tokens:
                     groups[-1].append(item)
                     continue

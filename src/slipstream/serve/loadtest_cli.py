@@ -33,13 +33,13 @@ LOADTEST_PATHS = {
 def loadtest_payloads(args: argparse.Namespace) -> list[dict]:
     """The request bodies `--endpoint` describes: slipstream token payloads from the gpt-stdlib
     validation split, or OpenAI bodies over `--prompts` (default: local text paragraphs)."""
-    from . import loadgen
+    from . import bodies, loadgen
 
-    if args.endpoint in loadgen.OPENAI_ENDPOINTS:
+    if args.endpoint in bodies.OPENAI_ENDPOINTS:
         from ..recipe import RecipeError
 
         try:
-            prompts = loadgen.load_prompts(args.prompts, args.prompt_chars)
+            prompts = bodies.load_prompts(args.prompts, args.prompt_chars)
         except UnicodeDecodeError as err:
             raise RecipeError(
                 f"--prompts {args.prompts} is not UTF-8 text (byte {err.start}); give a .txt or .jsonl file"
@@ -47,8 +47,8 @@ def loadtest_payloads(args: argparse.Namespace) -> list[dict]:
         if not args.model_name:
             loadgen.check_reachable(args.url)
         model = args.model_name or loadgen.served_model(args.url)
-        return loadgen.openai_payloads(prompts, args.endpoint, model, args.max_new_tokens, args.stream)
-    payloads = loadgen.validation_payloads(
+        return bodies.openai_payloads(prompts, args.endpoint, model, args.max_new_tokens, args.stream)
+    payloads = bodies.validation_payloads(
         max_tokens=args.max_tokens, endpoint=args.endpoint, max_new_tokens=args.max_new_tokens
     )
     return [{**p, "stream": True} for p in payloads] if args.stream else payloads
@@ -56,7 +56,7 @@ def loadtest_payloads(args: argparse.Namespace) -> list[dict]:
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
     from ..recipe import RecipeError
-    from . import loadgen
+    from . import bodies, loadgen
 
     args.url = args.url or f"http://127.0.0.1:8000{LOADTEST_PATHS[args.endpoint]}"
     loadgen.check_loopback(args.url)
@@ -65,7 +65,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         raise RecipeError(
             "choose exactly one of --rate R (open loop), --concurrency C (closed loop), --sweep"
         )
-    if args.endpoint in loadgen.OPENAI_ENDPOINTS and not loadgen.is_openai(args.url):
+    if args.endpoint in bodies.OPENAI_ENDPOINTS and not loadgen.is_openai(args.url):
         raise RecipeError(
             f"--endpoint {args.endpoint} needs an OpenAI URL (.../v1/completions), not {args.url}"
         )

@@ -27,11 +27,11 @@ EXAMPLES = """examples:
 
 
 def resolve_quantize(quantize: str, dtype: str, device, probe=None):
-    """`--quantize auto` -> a mode, with its reason (a `machine.Decision`): bf16 weights only where
+    """`--quantize auto` -> a mode, with its reason (a `decisions.Decision`): bf16 weights only where
     the machine probe measured bf16 matmuls faster than fp32 (they run ~75x slower on AVX2-only
     CPUs and ~0.55x on an Intel AVX512-BF16 one without AMX), else none; int8 is never picked by auto
     (it changes answers more: measure it with `quantize-eval`). An explicit mode is kept."""
-    from ..machine import Decision, decide_serve_quantize
+    from ..decisions import Decision, decide_serve_quantize
 
     if quantize != "auto":
         return Decision("serve.quantize", quantize, "set on the command line")
@@ -107,7 +107,7 @@ def build_app_from_args(args: argparse.Namespace):
     import torch
 
     from ..recipe import RecipeError
-    from ..session import resolve_device
+    from ..runtime import resolve_device
     from ..workloads.registry import get_workload
     from .app import create_app
     from .engine import EngineConfig, ScoreEngine

@@ -171,7 +171,7 @@ BATCH_SIZE = 64
 def make_vision_loaders(session: Any, data: VisionData, batch_size: int = BATCH_SIZE) -> tuple[Any, Any]:
     """Training batches through session.prepare_samples (recipe.dataflow: workers, prefetch) and a
     validation loader in fixed order without augmentation (plans + make_batch, like ShapedLoader)."""
-    from ..dataflow import SampleLoader
+    from ..samples import SampleLoader
 
     train = session.prepare_samples(data.train, batch_size, collate=collate_images)
     validation = SampleLoader(
