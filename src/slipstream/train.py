@@ -25,7 +25,18 @@ from .checkpoint import (
 )
 from .checkpoint import set_rng_state as restore_rng_state
 from .dataflow import PrefetchLoader
-from .distributed.checkpoint import DCP_NAME, dcp_path, load_dcp, load_full, read_meta, save_dcp
+from .distributed.checkpoint import (
+    DCP_NAME,
+    NAMED_LAYOUT,
+    dcp_path,
+    load_dcp,
+    load_full,
+    load_named_dcp,
+    load_named_full,
+    read_meta,
+    save_dcp,
+    save_named_dcp,
+)
 from .distributed.env import DistEnv, all_reduce_sum, destroy_process_group, gather_floats, rank_failure
 from .metrics import MetricsSummary
 from .models import loss_of
@@ -266,13 +277,8 @@ def _train(
 
     env = session.dist
     dcfg = recipe.distributed
-    pipeline = None
+    pipeline = parts = None
     if env.active and dcfg.strategy == "pipeline":
-        if folder is not None:
-            raise RecipeError(
-                "distributed.strategy=pipeline does not write checkpoints yet; drop --checkpoint-dir "
-                "or use ddp/fsdp (docs/distributed.md)"
-            )
         if eval_every > 0:
             eval_every = 0  # the stages hold slices of the model: no rank can evaluate it alone
             session.tracker.extra["validation"] = "not run under distributed.strategy=pipeline"
@@ -281,7 +287,8 @@ def _train(
     if env.active and dcfg.strategy == "pipeline":
         from .distributed.pipeline_train import prepare_pipeline
 
-        model, optimizer, pipeline = prepare_pipeline(session, wl.model(size, recipe.shapes.max_len), steps)
+        parts = prepare_pipeline(session, wl.model(size, recipe.shapes.max_len), steps)
+        model, optimizer, pipeline = parts.held, parts.optimizer, parts.runner
     else:
         model = session.prepare_model(wl.model(size, recipe.shapes.max_len))
         optimizer = session.build_optimizer(model, total_steps=steps)
@@ -320,7 +327,15 @@ def _train(
     val_losses: list[dict[str, float]] = []
     step = 0
     if saved is not None:
-        if existing is not None and existing.is_dir():
+        if parts is not None:  # pipeline stages read their slice by parameter name
+            if existing is not None and existing.is_dir():
+                load_named_dcp(existing, parts.named, optimizer, parts.aliases)
+            else:
+                load_named_full(saved, parts.named, optimizer, parts.one_process_order, parts.aliases)
+        elif existing is not None and existing.is_dir() and saved.get("layout") == NAMED_LAYOUT:
+            # a pipeline's checkpoint, continued without stages: the whole model reads every name
+            load_named_dcp(existing, dict(_raw_model(local_module(model)).named_parameters()), optimizer)
+        elif existing is not None and existing.is_dir():
             load_dcp(existing, model, optimizer)  # any world size: DCP reshards
         elif env.active:
             load_full(saved, model, optimizer)  # a 1-process checkpoint into N ranks
@@ -350,6 +365,11 @@ def _train(
             "val_loss": val_losses,
             "rng": rng_state(),
         }
+        if parts is not None:
+            save_named_dcp(folder, parts.named, optimizer, state, env)
+            if env.is_main:
+                ckpt_path.unlink(missing_ok=True)  # type: ignore[union-attr]  # superseded
+            return
         if env.active:
             save_dcp(folder, model, optimizer, state, env)
             if env.is_main:

@@ -4,6 +4,7 @@ a killed rank ends the run with a message instead of a hang; torchrun's restart 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,14 +172,52 @@ def test_torchrun_restarts_the_ranks_and_they_resume_from_the_checkpoint(tmp_pat
 
 
 # GPipe and interleaved 1F1B are checked against one process in test_pipeline.py (runner level);
-# here one schedule goes through `slipstream train` end to end.
-@pytest.mark.parametrize("schedule", ["1f1b"])
-def test_pipeline_stages_follow_one_process(tmp_path, schedule):
-    one = train(
-        tmp_path, "one", "--steps", "4", recipe=RECIPE.replace("batches_per_step=2", "batches_per_step=1")
-    )
-    spec = RECIPE.replace("batches_per_step=2", "batches_per_step=1")
-    spec += f'+distributed.strategy="pipeline"+distributed.pipeline_schedule="{schedule}"+distributed.microbatches=4'
-    piped = train(tmp_path, "piped", "--steps", "4", nproc=2, recipe=spec)
+# here 1F1B goes through `slipstream train` end to end. The one-process run uses the same recipe
+# (strategy=pipeline means nothing to one process), so checkpoints can move between the two.
+PIPELINE = (
+    RECIPE.replace("batches_per_step=2", "batches_per_step=1")
+    + '+distributed.strategy="pipeline"+distributed.pipeline_schedule="1f1b"+distributed.microbatches=4'
+)
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """4 steps uninterrupted: one process, and 2 pipeline stages."""
+    tmp = tmp_path_factory.mktemp("pipelined")
+    one = train(tmp, "one", "--steps", "4", recipe=PIPELINE)
+    piped = train(tmp, "piped", "--steps", "4", nproc=2, recipe=PIPELINE)
+    return one, piped
+
+
+def test_pipeline_stages_follow_one_process(pipelined):
+    one, piped = pipelined
     _close(piped["loss"], one["loss"], 1e-5)
     assert piped["pipeline_stages"] == [0] and piped["distributed_strategy"] == "pipeline"
+    assert "world_size" not in one or one["world_size"] == 1
+
+
+def test_pipeline_checkpoints_resume_in_stages_and_in_one_process(tmp_path, pipelined):
+    one, piped = pipelined
+    # 2 stages write a checkpoint at step 2, keyed by the whole GPT's parameter names
+    staged = tmp_path / "staged"
+    train(tmp_path, "a", "--steps", "2", "--checkpoint-dir", str(staged), nproc=2, recipe=PIPELINE)
+    assert (staged / "checkpoint.dcp" / "meta.pt").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(staged, copy)
+    # ...the stages continue it exactly,
+    again = train(
+        tmp_path, "b", "--steps", "4", "--checkpoint-dir", str(staged), "--resume", nproc=2, recipe=PIPELINE
+    )
+    assert again["resumed_from_step"] == 2
+    _close(again["loss"], piped["loss"], 1e-6)
+    # ...one process holding the whole model continues it (2 -> 1),
+    down = train(tmp_path, "c", "--steps", "4", "--checkpoint-dir", str(copy), "--resume", recipe=PIPELINE)
+    _close(down["loss"], one["loss"], 1e-5)
+    # ...and 2 stages continue a one-process checkpoint.pt (1 -> 2)
+    single = tmp_path / "single"
+    train(tmp_path, "d", "--steps", "2", "--checkpoint-dir", str(single), recipe=PIPELINE)
+    up = train(
+        tmp_path, "e", "--steps", "4", "--checkpoint-dir", str(single), "--resume", nproc=2, recipe=PIPELINE
+    )
+    _close(up["loss"], one["loss"], 1e-5)
+    assert (single / "checkpoint.dcp").exists() and not (single / "checkpoint.pt").exists()

@@ -43,8 +43,36 @@ def _barrier(env: DistEnv) -> None:
 def save_dcp(
     folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any], env: DistEnv
 ) -> Path:
-    import torch.distributed.checkpoint as dcp
+    """Every rank's (sharded or replicated) model and optimizer state, as torch lays them out."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return _write(folder, {"model": model_sd, "optim": optim_sd}, meta, env)
+
+
+NAMED_LAYOUT = "named"
+"""meta["layout"] of a checkpoint keyed by whole-model parameter names (pipeline stages)."""
+
+
+def save_named_dcp(
+    folder: Path,
+    named: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    env: DistEnv,
+) -> Path:
+    """Each rank writes the parameters it holds, and their optimizer state, under their names in
+    the whole model (pipeline stages hold disjoint slices). Keyed by name and not by stage, the
+    checkpoint resumes under another stage layout, or in one process holding the whole model."""
+    state = {
+        "model": {n: p.detach() for n, p in named.items()},
+        "optim": {"state": {n: dict(optimizer.state[p]) for n, p in named.items() if optimizer.state.get(p)}},
+    }
+    return _write(folder, state, {**meta, "layout": NAMED_LAYOUT}, env)
+
+
+def _write(folder: Path, state: dict[str, Any], meta: dict[str, Any], env: DistEnv) -> Path:
+    import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
     final, tmp, old = folder / DCP_NAME, folder / f".{DCP_NAME}.tmp", folder / f".{DCP_NAME}.old"
@@ -52,8 +80,7 @@ def save_dcp(
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier(env)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp))
     if env.is_main:
         with open(tmp / META_NAME, "wb") as fh:
             torch.save({"format": CHECKPOINT_FORMAT, "world_size": env.world_size, **meta}, fh)
@@ -123,3 +150,78 @@ def load_full(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Op
         optim_state_dict=optim_sd,
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+def _source(name: str, stored: set[str], aliases: dict[str, str]) -> str:
+    """The stored name `name` reads from: itself, or the parameter it is tied to."""
+    if name in stored:
+        return name
+    alias = aliases.get(name)
+    if alias is not None and alias in stored:
+        return alias
+    raise CheckpointError(
+        f"the checkpoint has no parameter {name!r}: it was written for another model; "
+        "resume with the same workload and size, or use a new --checkpoint-dir"
+    )
+
+
+def load_named_dcp(
+    path: Path,
+    named: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    aliases: dict[str, str] | None = None,
+) -> None:
+    """Read a `save_named_dcp` checkpoint into the parameters `named` (whatever slice of the model
+    this process holds) and their optimizer state. `aliases`: tied names (lm_head.weight ->
+    wte.weight) for a parameter stored under the name of its twin."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    params = {k[len("model.") :] for k in stored if k.startswith("model.")}
+    source = {n: _source(n, params, aliases or {}) for n in named}
+    state: dict[str, Any] = {
+        "model": {source[n]: p.detach() for n, p in named.items()},
+        "optim": {"state": {}},
+    }
+    wanted = set(source.values())
+    for key, md in stored.items():
+        if not key.startswith("optim.state."):
+            continue
+        name, field = key[len("optim.state.") :].rsplit(".", 1)
+        if name in wanted:
+            value = (
+                torch.empty(md.size, dtype=md.properties.dtype)
+                if isinstance(md, TensorStorageMetadata)
+                else None
+            )
+            state["optim"]["state"].setdefault(name, {})[field] = value
+    dcp.load(state, checkpoint_id=str(path))
+    for n, p in named.items():
+        saved = state["optim"]["state"].get(source[n])
+        if saved:
+            optimizer.state[p] = {
+                k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in saved.items()
+            }
+
+
+def load_named_full(
+    saved: dict[str, Any],
+    named: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    order: list[str],
+    aliases: dict[str, str] | None = None,
+) -> None:
+    """A 1-process `checkpoint.pt` (whole model; optimizer state by position, `order` naming the
+    positions) into the parameters `named` that this rank holds."""
+    model = saved["model"]
+    by_name = {order[i]: s for i, s in saved["optimizer"]["state"].items()}
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(model[_source(n, set(model), aliases or {})])
+            # a tied head has no optimizer position of its own: its twin's state is its state
+            state = by_name.get(n, by_name.get((aliases or {}).get(n, n)))
+            if state:
+                optimizer.state[p] = {
+                    k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()
+                }

@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from ..optimizers import build_param_groups
 from ..recipe import RecipeError
 from ..session import Session
 from .pipeline import PipelineRunner, clip_grad_norm_, split_gpt
 
 
-def prepare_pipeline(
-    session: Session, model: nn.Module, total_steps: int
-) -> tuple[nn.ModuleList, torch.optim.Optimizer, PipelineRunner]:
-    """This rank's stages, their optimizer, and the runner that steps the global batch through
-    all ranks. Every rank builds the whole model from the same seed and keeps its own slice."""
+@dataclass
+class PipelineParts:
+    """What one rank of a pipeline trains, and how its checkpoints name it."""
+
+    held: nn.ModuleList
+    """This rank's stages."""
+    optimizer: torch.optim.Optimizer
+    runner: PipelineRunner
+    named: dict[str, nn.Parameter]
+    """This rank's parameters under their names in the whole GPT (checkpoints are keyed by them)."""
+    aliases: dict[str, str]
+    """A tied head reads the embedding's state when the checkpoint stored only that."""
+    one_process_order: list[str]
+    """Names of a one-process optimizer's parameter positions (to resume a checkpoint.pt)."""
+
+
+def prepare_pipeline(session: Session, model: nn.Module, total_steps: int) -> PipelineParts:
+    """This rank's stages, their optimizer, the runner that steps the global batch through all
+    ranks, and the names its checkpoints use. Every rank builds the whole model from the same
+    seed and keeps its own slice."""
     from ..workloads.gpt import GPT
 
     cfg = session.recipe.distributed
@@ -50,4 +68,14 @@ def prepare_pipeline(
         pipeline_microbatches=cfg.microbatches,
         pipeline_stages=[s.index for s in stages],
     )
-    return held, optimizer, runner
+    names = {id(p): n for n, p in raw.named_parameters()}
+    groups = build_param_groups(raw, session.recipe.optimizer.weight_decay)
+    named = {n: p for stage in stages for n, p in stage.model_named_parameters()}
+    return PipelineParts(
+        held,
+        optimizer,
+        runner,
+        named,
+        aliases={"lm_head.weight": "wte.weight"} if raw.lm_head.weight is raw.wte.weight else {},
+        one_process_order=[names[id(p)] for g in groups for p in g["params"]],
+    )
