@@ -1,10 +1,14 @@
 """Serving soak: a long run at 80% of the sustainable rate, watching the server for leaks.
 
 Starts `slipstream serve` (built-in GPT, scoring and generation), finds the highest open-loop
-scoring rate whose p99 stays under the SLO (`loadtest --sweep`'s method), then offers 80% of it
-for `--minutes` with a generation request mixed in every so often, sampling the server process's
-RSS, open file descriptors and threads every 10 s. A leak shows as growth between the first and
-the last minutes (after warm-up); the JSON keeps every sample.
+scoring rate whose p99 stays under the SLO (`loadtest --sweep`'s method) with the generation load
+of the soak running underneath, so the rate is sustainable under the soak's own mix. Before the
+soak, a confirmation run at the soak rate must keep p99 under the SLO with no request refused;
+otherwise the rate is lowered 15% and confirmed again (short sweep steps overestimate: a backlog
+that would grow without end does not reach the p99 in a few seconds). It then offers that rate
+for `--minutes`, sampling the server process's RSS, open file descriptors and threads every 10 s.
+A leak shows as growth between the first and the last minutes (after warm-up); the JSON keeps
+every sample, the sweep's steps and the confirmation runs.
 
     python benchmarks/serve_soak.py --minutes 10 --out benchmarks/results/serve-soak-<host>.json
 """
@@ -18,6 +22,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo root, not ben
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -31,6 +36,10 @@ import time  # noqa: E402
 
 import httpx  # noqa: E402
 
+LOG = "/tmp/slipstream-serve-soak.log"
+GENERATE_RPS = 0.5
+CONFIRM_S = 30.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,11 +52,13 @@ def start_server(port: int, threads: int) -> subprocess.Popen:
         sys.executable, "-m", "slipstream", "serve", "--size", "tiny", "--max-len", "256",
         "--threads", str(threads), "--port", str(port), "--quantize", "none", "--generate-slots", "4",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # stderr to a file, not a pipe nobody reads while the soak runs: a full pipe would stall the server.
+    log = open(LOG, "w")  # noqa: SIM115 (the server holds it until it exits)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"server exited: {Path(LOG).read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
                 return proc
@@ -79,13 +90,15 @@ def main() -> None:
         default=0.8,
         help="share of the swept sustainable rate to offer (default 0.8)",
     )
+    ap.add_argument("--sweep-step-s", type=float, default=15.0, help="seconds per sweep step (default 15)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
     import torch
 
     from slipstream.files import write_json
-    from slipstream.serve.loadgen import open_loop, sweep, validation_payloads
+    from slipstream.serve.bodies import validation_payloads
+    from slipstream.serve.loadgen import open_loop, sweep
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -93,22 +106,60 @@ def main() -> None:
     payloads = validation_payloads(max_tokens=256, n=200)
     gen_payloads = validation_payloads(max_tokens=256, n=20, endpoint="generate", max_new_tokens=16)
     try:
-        found = asyncio.run(
-            sweep(
-                {"slipstream": base + "/v1/score"},
-                payloads,
-                slo_p99_s=args.slo_ms / 1e3,
-                start_rps=20,
-                step_duration_s=8,
-                refine_steps=2,
-            )  # fmt: skip
-        )["slipstream"]
+
+        async def sweep_under_generation():
+            # The generation load of the soak runs underneath the sweep, then is stopped.
+            background = asyncio.create_task(
+                open_loop(base + "/v1/generate", gen_payloads, GENERATE_RPS, 3600, seed=3)
+            )
+            try:
+                return await sweep(
+                    {"slipstream": base + "/v1/score"},
+                    payloads,
+                    slo_p99_s=args.slo_ms / 1e3,
+                    start_rps=20,
+                    step_duration_s=args.sweep_step_s,
+                    refine_steps=2,
+                )
+            finally:
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await background
+
+        found = asyncio.run(sweep_under_generation())["slipstream"]
         if found.max_rate_rps is None:
             raise SystemExit("no rate met the SLO; raise --slo-ms")
         rate = args.fraction * found.max_rate_rps
-        print(
-            f"sustainable {found.max_rate_rps:.1f} req/s at p99 <= {args.slo_ms:.0f} ms; soaking at {rate:.1f}"
-        )
+        print(f"swept {found.max_rate_rps:.1f} req/s at p99 <= {args.slo_ms:.0f} ms (generation underneath)")
+
+        async def mixed(score_rps: float, duration: float, seed: int):
+            return await asyncio.gather(
+                open_loop(base + "/v1/score", payloads, score_rps, duration, seed=seed),
+                open_loop(base + "/v1/generate", gen_payloads, GENERATE_RPS, duration, seed=seed + 1),
+            )
+
+        confirmations = []
+        for attempt in range(5):
+            scored, generated = asyncio.run(mixed(rate, CONFIRM_S, seed=10 + 2 * attempt))
+            held = (
+                scored.p99_s is not None
+                and scored.p99_s <= args.slo_ms / 1e3
+                and scored.ok == scored.sent
+                and generated.ok == generated.sent
+            )
+            confirmations.append(
+                {"rate_rps": rate, "p99_s": scored.p99_s, "sent": scored.sent, "ok": scored.ok,
+                 "generate_ok": generated.ok, "generate_sent": generated.sent, "held": held}
+            )  # fmt: skip
+            print(
+                f"confirm {rate:.1f} req/s for {CONFIRM_S:.0f} s: p99 {scored.p99_s}, ok {scored.ok}/{scored.sent}"
+            )
+            if held:
+                break
+            rate *= 0.85
+        else:
+            raise SystemExit(f"no rate held for {CONFIRM_S:.0f} s; see {LOG}")
+        print(f"soaking at {rate:.1f} req/s ({rate / found.max_rate_rps:.0%} of the swept rate)")
         samples: list[dict] = []
         stop = threading.Event()
         t0 = time.monotonic()
@@ -125,7 +176,7 @@ def main() -> None:
         async def soak():
             return await asyncio.gather(
                 open_loop(base + "/v1/score", payloads, rate, duration, seed=1),
-                open_loop(base + "/v1/generate", gen_payloads, 0.5, duration, seed=2),
+                open_loop(base + "/v1/generate", gen_payloads, GENERATE_RPS, duration, seed=2),
             )
 
         scored, generated = asyncio.run(soak())
@@ -156,7 +207,12 @@ def main() -> None:
         },
         "server": f"slipstream serve --size tiny --max-len 256 --threads {args.threads} --generate-slots 4",
         "sustainable_rate_rps": found.max_rate_rps,
+        "sweep_steps": found.steps,
+        "sweep_step_s": args.sweep_step_s,
+        "confirmations": confirmations,
         "soak_rate_rps": rate,
+        "soak_fraction_of_swept": rate / found.max_rate_rps,
+        "generate_rps": GENERATE_RPS,
         "minutes": args.minutes,
         "score": {k: v for k, v in scored.to_json().items() if k not in ("url",)},
         "generate": {k: v for k, v in generated.to_json().items() if k not in ("url",)},
