@@ -22,7 +22,6 @@ import asyncio  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -123,8 +122,7 @@ def main() -> None:
         drive(args.drive, args.rate, args.seconds)
         return
 
-    import torch
-
+    from slipstream.doctor import machine_info
     from slipstream.files import write_json
     from slipstream.serve.cli import main as serve_main
 
@@ -133,12 +131,7 @@ def main() -> None:
     report: dict = {
         "benchmark": "serve_leak_trace",
         "date": datetime.date.today().isoformat(),
-        "host": {
-            "cpu": platform.processor() or platform.machine(),
-            "capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-        },
+        "host": machine_info(),
         "server": f"slipstream serve --size tiny --max-len 256 --threads {args.threads} --generate-slots 4",
         "rate_rps": args.rate,
         "generate_rps": GENERATE_RPS,

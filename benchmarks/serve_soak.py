@@ -26,7 +26,6 @@ import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -94,8 +93,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    import torch
-
+    from slipstream.doctor import machine_info
     from slipstream.files import write_json
     from slipstream.serve.bodies import validation_payloads
     from slipstream.serve.loadgen import open_loop, sweep
@@ -199,12 +197,7 @@ def main() -> None:
     summary = {
         "benchmark": "serve_soak",
         "date": datetime.date.today().isoformat(),
-        "host": {
-            "cpu": platform.processor() or platform.machine(),
-            "capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-        },
+        "host": machine_info(),
         "server": f"slipstream serve --size tiny --max-len 256 --threads {args.threads} --generate-slots 4",
         "sustainable_rate_rps": found.max_rate_rps,
         "sweep_steps": found.steps,
