@@ -75,8 +75,16 @@ class TrainResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: ShapedLoader, session: Session, batches: int) -> float:
-    """Mean loss per real token over the first `batches` batches of the validation epoch."""
+def evaluate(
+    model: nn.Module,
+    loader: ShapedLoader,
+    session: Session,
+    batches: int,
+    batch_loss: Callable[[Any], torch.Tensor] | None = None,
+) -> float:
+    """Mean loss per real token over the first `batches` batches of the validation epoch.
+    `batch_loss(batch)`: the batch's mean loss when `model(**batch)` cannot give it (pipeline
+    stages each hold a slice of the model)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=session.device)
@@ -84,7 +92,7 @@ def evaluate(model: nn.Module, loader: ShapedLoader, session: Session, batches: 
     for plan in loader.plans(epoch=0)[:batches]:
         batch = loader.make_batch(plan)
         with session.autocast():
-            loss = loss_of(model(**batch))
+            loss = batch_loss(batch) if batch_loss is not None else loss_of(model(**batch))
         total += loss.double() * batch.real_tokens  # mean loss x real tokens = exact token-weighted sum
         tokens += batch.real_tokens
     model.train(was_training)
@@ -278,10 +286,6 @@ def _train(
     env = session.dist
     dcfg = recipe.distributed
     pipeline = parts = None
-    if env.active and dcfg.strategy == "pipeline":
-        if eval_every > 0:
-            eval_every = 0  # the stages hold slices of the model: no rank can evaluate it alone
-            session.tracker.extra["validation"] = "not run under distributed.strategy=pipeline"
     ckpt_path = folder / CHECKPOINT_NAME if folder else None
     data = wl.load_data()
     if env.active and dcfg.strategy == "pipeline":
@@ -380,8 +384,12 @@ def _train(
         shutil.rmtree(folder / DCP_NAME, ignore_errors=True)  # superseded by the 1-process file
 
     eval_model = local_module(model)
+    # Under a pipeline every rank runs each validation batch through the stages, forward only.
+    batch_loss = None if pipeline is None else (lambda batch: torch.tensor(pipeline.evaluate(batch)))
     if step == 0 and eval_every > 0:
-        val_losses.append({"step": 0, "loss": evaluate(eval_model, val_loader, session, eval_batches)})
+        val_losses.append(
+            {"step": 0, "loss": evaluate(eval_model, val_loader, session, eval_batches, batch_loss)}
+        )
 
     bar = _Progress(steps, step, progress and env.is_main)
     step_lengths: list[float] = []  # row length of each step on this rank: lock-step is checked at the end
@@ -440,7 +448,10 @@ def _train(
                 bar.update(step, losses[-1], tokens_seen / (time.perf_counter() - t_start))
             if at_eval:
                 val_losses.append(
-                    {"step": step, "loss": evaluate(eval_model, val_loader, session, eval_batches)}
+                    {
+                        "step": step,
+                        "loss": evaluate(eval_model, val_loader, session, eval_batches, batch_loss),
+                    }
                 )
                 if on_eval is not None:
                     on_eval(step, val_losses[-1]["loss"])

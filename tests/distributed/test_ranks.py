@@ -182,16 +182,20 @@ PIPELINE = (
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
-    """4 steps uninterrupted: one process, and 2 pipeline stages."""
+    """4 steps uninterrupted, validated at steps 0, 2 and 4: one process, and 2 pipeline stages."""
     tmp = tmp_path_factory.mktemp("pipelined")
-    one = train(tmp, "one", "--steps", "4", recipe=PIPELINE)
-    piped = train(tmp, "piped", "--steps", "4", nproc=2, recipe=PIPELINE)
+    val = ["--eval-every", "2", "--eval-batches", "2"]
+    one = train(tmp, "one", "--steps", "4", *val, recipe=PIPELINE)
+    piped = train(tmp, "piped", "--steps", "4", *val, nproc=2, recipe=PIPELINE)
     return one, piped
 
 
 def test_pipeline_stages_follow_one_process(pipelined):
     one, piped = pipelined
     _close(piped["loss"], one["loss"], 1e-5)
+    # validation runs the batches through the stages, forward only, and matches one process
+    assert [v["step"] for v in piped["val_loss"]] == [0, 2, 4] == [v["step"] for v in one["val_loss"]]
+    _close([v["loss"] for v in piped["val_loss"]], [v["loss"] for v in one["val_loss"]], 1e-5)
     assert piped["pipeline_stages"] == [0] and piped["distributed_strategy"] == "pipeline"
     assert "world_size" not in one or one["world_size"] == 1
 

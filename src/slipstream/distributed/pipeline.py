@@ -259,6 +259,15 @@ class PipelineRunner:
         the optimizer step, as usual). Returns the token-weighted mean loss of the whole batch on the
         rank holding the last stage, None elsewhere; with broadcast_loss=True (every rank must pass
         it) all ranks get it."""
+        return self._run(batch, train=True, broadcast_loss=broadcast_loss)
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, Tensor]) -> float:
+        """Forward only: the token-weighted mean loss of the global batch, on every rank (every rank
+        calls it with the same batch). Put the stages in eval mode first, as for one model."""
+        return self._run(batch, train=False, broadcast_loss=True)
+
+    def _run(self, batch: dict[str, Tensor], *, train: bool, broadcast_loss: bool) -> float | None:
         unknown = set(batch) - _BATCH_KEYS
         if "input_ids" not in batch or "labels" not in batch:
             raise ValueError("a pipeline step trains: the batch needs input_ids and labels")
@@ -280,7 +289,9 @@ class PipelineRunner:
         input_ids, labels = batch["input_ids"], batch["labels"]
         documents = batch.get("document_ids")
         positions = batch.get("position_ids")
-        pipe = self._pipe((tuple(input_ids.shape), documents is not None, positions is not None))
+        # Forward-only runs get schedules of their own: a stage sizes its buffers on its first run,
+        # and one built without backward could not train later.
+        pipe = self._pipe((tuple(input_ids.shape), documents is not None, positions is not None, train))
         args = (input_ids,) if self.first is not None else ()
         kwargs: dict[str, Tensor] = {}
         if documents is not None:
@@ -295,9 +306,12 @@ class PipelineRunner:
         losses: list[Tensor] = []
         self._busy = 0.0
         t0 = time.perf_counter()
-        pipe.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        self._sum_tied_grads()
-        self.timing = StepTiming(wall_s=time.perf_counter() - t0, busy_s=self._busy)
+        if train:
+            pipe.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            self._sum_tied_grads()
+            self.timing = StepTiming(wall_s=time.perf_counter() - t0, busy_s=self._busy)
+        else:
+            pipe.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         loss = torch.stack(losses).sum().detach() if self.last is not None else None
         if broadcast_loss:
             buf = loss.float() if loss is not None else torch.zeros((), device=self.device)
