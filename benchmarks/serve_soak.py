@@ -78,6 +78,30 @@ def sample(pid: int) -> dict:
     }
 
 
+def confirm(rate: float, mixed, confirmations: list[dict], args: argparse.Namespace) -> float:
+    """The first rate, from `rate` down in 15% steps, that holds the SLO for CONFIRM_S with every
+    request answered."""
+    for attempt in range(5):
+        scored, generated = asyncio.run(mixed(rate, CONFIRM_S, seed=10 + 2 * attempt))
+        held = (
+            scored.p99_s is not None
+            and scored.p99_s <= args.slo_ms / 1e3
+            and scored.ok == scored.sent
+            and generated.ok == generated.sent
+        )
+        confirmations.append(
+            {"rate_rps": rate, "p99_s": scored.p99_s, "sent": scored.sent, "ok": scored.ok,
+             "generate_ok": generated.ok, "generate_sent": generated.sent, "held": held}
+        )  # fmt: skip
+        print(
+            f"confirm {rate:.1f} req/s for {CONFIRM_S:.0f} s: p99 {scored.p99_s}, ok {scored.ok}/{scored.sent}"
+        )
+        if held:
+            return rate
+        rate *= 0.85
+    raise SystemExit(f"no rate held for {CONFIRM_S:.0f} s; see {LOG}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -90,6 +114,9 @@ def main() -> None:
         help="share of the swept sustainable rate to offer (default 0.8)",
     )
     ap.add_argument("--sweep-step-s", type=float, default=15.0, help="seconds per sweep step (default 15)")
+    ap.add_argument(
+        "--rate", type=float, default=None, help="soak at this scoring rate: no sweep, no confirmation"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -124,40 +151,26 @@ def main() -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await background
 
-        found = asyncio.run(sweep_under_generation())["slipstream"]
-        if found.max_rate_rps is None:
-            raise SystemExit("no rate met the SLO; raise --slo-ms")
-        rate = args.fraction * found.max_rate_rps
-        print(f"swept {found.max_rate_rps:.1f} req/s at p99 <= {args.slo_ms:.0f} ms (generation underneath)")
-
         async def mixed(score_rps: float, duration: float, seed: int):
             return await asyncio.gather(
                 open_loop(base + "/v1/score", payloads, score_rps, duration, seed=seed),
                 open_loop(base + "/v1/generate", gen_payloads, GENERATE_RPS, duration, seed=seed + 1),
             )
 
-        confirmations = []
-        for attempt in range(5):
-            scored, generated = asyncio.run(mixed(rate, CONFIRM_S, seed=10 + 2 * attempt))
-            held = (
-                scored.p99_s is not None
-                and scored.p99_s <= args.slo_ms / 1e3
-                and scored.ok == scored.sent
-                and generated.ok == generated.sent
-            )
-            confirmations.append(
-                {"rate_rps": rate, "p99_s": scored.p99_s, "sent": scored.sent, "ok": scored.ok,
-                 "generate_ok": generated.ok, "generate_sent": generated.sent, "held": held}
-            )  # fmt: skip
-            print(
-                f"confirm {rate:.1f} req/s for {CONFIRM_S:.0f} s: p99 {scored.p99_s}, ok {scored.ok}/{scored.sent}"
-            )
-            if held:
-                break
-            rate *= 0.85
+        found, confirmations = None, []
+        if args.rate is not None:  # a rate found before: soak at it, no sweep, no confirmation
+            rate = args.rate
         else:
-            raise SystemExit(f"no rate held for {CONFIRM_S:.0f} s; see {LOG}")
-        print(f"soaking at {rate:.1f} req/s ({rate / found.max_rate_rps:.0%} of the swept rate)")
+            found = asyncio.run(sweep_under_generation())["slipstream"]
+            if found.max_rate_rps is None:
+                raise SystemExit("no rate met the SLO; raise --slo-ms")
+            rate = args.fraction * found.max_rate_rps
+            print(
+                f"swept {found.max_rate_rps:.1f} req/s at p99 <= {args.slo_ms:.0f} ms (generation underneath)"
+            )
+            rate = confirm(rate, mixed, confirmations, args)
+            print(f"soaking at {rate:.1f} req/s ({rate / found.max_rate_rps:.0%} of the swept rate)")
+
         samples: list[dict] = []
         stop = threading.Event()
         t0 = time.monotonic()
@@ -199,12 +212,15 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "host": machine_info(),
         "server": f"slipstream serve --size tiny --max-len 256 --threads {args.threads} --generate-slots 4",
-        "sustainable_rate_rps": found.max_rate_rps,
-        "sweep_steps": found.steps,
-        "sweep_step_s": args.sweep_step_s,
+        "sustainable_rate_rps": found.max_rate_rps if found else None,
+        "sweep_steps": found.steps if found else None,
+        "sweep_step_s": args.sweep_step_s if found else None,
         "confirmations": confirmations,
         "soak_rate_rps": rate,
-        "soak_fraction_of_swept": rate / found.max_rate_rps,
+        "soak_fraction_of_swept": rate / found.max_rate_rps if found else None,
+        "rate_given": args.rate is not None,
+        "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+        "pythonmalloc": os.environ.get("PYTHONMALLOC"),
         "generate_rps": GENERATE_RPS,
         "minutes": args.minutes,
         "score": {k: v for k, v in scored.to_json().items() if k not in ("url",)},
