@@ -71,6 +71,19 @@ def resolve_workload(args: argparse.Namespace) -> None:
         args.size = CUSTOM_SIZE  # a pasted user:model=... name: its model has the one size
 
 
+def check_limits(
+    positive: dict[str, float | None], at_least_0: dict[str, float | None] | None = None
+) -> None:
+    """Refuse numeric flags out of range, by name ({flag: value}; None = not given). `not value > 0`
+    rather than `value <= 0`, so that nan is refused too."""
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise RecipeError(f"{flag} {value} must be > 0")
+    for flag, value in (at_least_0 or {}).items():
+        if value is not None and not value >= 0:
+            raise RecipeError(f"{flag} {value} must be >= 0")
+
+
 OUTPUT_FILE_FLAGS = ("json", "report", "save", "trace", "plot")
 """Flags naming a file a command writes at its end: checked before the work starts."""
 

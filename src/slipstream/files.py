@@ -88,6 +88,15 @@ def _mode_for(path: Path) -> int:
         return 0o666 & ~_umask()
 
 
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (the directory entry, not only the file's bytes)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Call `write(file)` so that a crash leaves the old `path` or the new one, never a torn one:
     a temp file beside it, fsynced, renamed over it, and the rename made durable. A full disk
@@ -105,11 +114,7 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         tmp = None
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)
     except BaseException as err:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)

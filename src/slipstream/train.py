@@ -331,16 +331,16 @@ def _train(
     val_losses: list[dict[str, float]] = []
     step = 0
     if saved is not None:
-        if parts is not None:  # pipeline stages read their slice by parameter name
-            if existing is not None and existing.is_dir():
+        if existing is not None and existing.is_dir():  # a DCP folder: any world size, resharded
+            if parts is not None:  # pipeline stages read their slice by parameter name
                 load_named_dcp(existing, parts.named, optimizer, parts.aliases)
+            elif saved.get("layout") == NAMED_LAYOUT:
+                # a pipeline's checkpoint, continued without stages: the whole model reads every name
+                load_named_dcp(existing, dict(_raw_model(local_module(model)).named_parameters()), optimizer)
             else:
-                load_named_full(saved, parts.named, optimizer, parts.one_process_order, parts.aliases)
-        elif existing is not None and existing.is_dir() and saved.get("layout") == NAMED_LAYOUT:
-            # a pipeline's checkpoint, continued without stages: the whole model reads every name
-            load_named_dcp(existing, dict(_raw_model(local_module(model)).named_parameters()), optimizer)
-        elif existing is not None and existing.is_dir():
-            load_dcp(existing, model, optimizer)  # any world size: DCP reshards
+                load_dcp(existing, model, optimizer)
+        elif parts is not None:
+            load_named_full(saved, parts.named, optimizer, parts.one_process_order, parts.aliases)
         elif env.active:
             load_full(saved, model, optimizer)  # a 1-process checkpoint into N ranks
         else:
@@ -369,13 +369,11 @@ def _train(
             "val_loss": val_losses,
             "rng": rng_state(),
         }
-        if parts is not None:
-            save_named_dcp(folder, parts.named, optimizer, state, env)
-            if env.is_main:
-                ckpt_path.unlink(missing_ok=True)  # type: ignore[union-attr]  # superseded
-            return
         if env.active:
-            save_dcp(folder, model, optimizer, state, env)
+            if parts is not None:
+                save_named_dcp(folder, parts.named, optimizer, state, env)
+            else:
+                save_dcp(folder, model, optimizer, state, env)
             if env.is_main:
                 ckpt_path.unlink(missing_ok=True)  # type: ignore[union-attr]  # superseded
             return

@@ -24,7 +24,7 @@ from slipstream.serve.engine import (
     unsteady_warmup_runs,
 )
 
-from .oracles import score_reference
+from .oracles import score_all, score_reference
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -59,14 +59,7 @@ def test_compiled_cuda_forwards_replay_on_one_thread_whatever_the_workers(tiny, 
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 258, rng.integers(2, 65)).tolist() for _ in range(9)]
 
-    async def run():
-        await eng.start()
-        try:
-            return await asyncio.gather(*[eng.score(s, token_logprobs=True) for s in seqs])
-        finally:
-            await eng.drain(5)
-
-    results = asyncio.run(run())
+    results = score_all(eng, seqs)
     assert threads and set(threads) == {"slipstream-graphs_0"}  # warm-up included
     for s, r in zip(seqs, results):
         np.testing.assert_allclose(r["token_logprobs"], score_reference(tiny, s)["token_logprobs"], atol=2e-5)

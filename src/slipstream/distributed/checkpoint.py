@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import CHECKPOINT_FORMAT, CheckpointError
+from ..files import fsync_dir
 from .env import DistEnv
 
 DCP_NAME = "checkpoint.dcp"
@@ -91,17 +92,9 @@ def _write(folder: Path, state: dict[str, Any], meta: dict[str, Any], env: DistE
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     _barrier(env)
     return final
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -127,6 +120,16 @@ def load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _state_by_name(plain: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """A one-process optimizer state (keyed by position) keyed by parameter name instead."""
+    return {order[i]: s for i, s in plain["state"].items()}
+
+
+def _on_device(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """One parameter's optimizer state beside it; 0-d tensors (Adam's step) stay on the host."""
+    return {k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
+
+
 def load_full(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """A 1-process checkpoint (full tensors, optimizer state keyed by position) into N ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -137,7 +140,7 @@ def load_full(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Op
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     plain = saved["optimizer"]
     optim_sd = {
-        "state": {order[i]: s for i, s in plain["state"].items()},
+        "state": _state_by_name(plain, order),
         "param_groups": [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
             for g in plain["param_groups"]
@@ -200,9 +203,7 @@ def load_named_dcp(
     for n, p in named.items():
         saved = state["optim"]["state"].get(source[n])
         if saved:
-            optimizer.state[p] = {
-                k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in saved.items()
-            }
+            optimizer.state[p] = _on_device(saved, p.device)
 
 
 def load_named_full(
@@ -215,13 +216,11 @@ def load_named_full(
     """A 1-process `checkpoint.pt` (whole model; optimizer state by position, `order` naming the
     positions) into the parameters `named` that this rank holds."""
     model = saved["model"]
-    by_name = {order[i]: s for i, s in saved["optimizer"]["state"].items()}
+    by_name = _state_by_name(saved["optimizer"], order)
     with torch.no_grad():
         for n, p in named.items():
             p.copy_(model[_source(n, set(model), aliases or {})])
             # a tied head has no optimizer position of its own: its twin's state is its state
             state = by_name.get(n, by_name.get((aliases or {}).get(n, n)))
             if state:
-                optimizer.state[p] = {
-                    k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()
-                }
+                optimizer.state[p] = _on_device(state, p.device)

@@ -503,8 +503,8 @@ def replays_on_one_thread(config: EngineConfig, device: torch.device) -> bool:
 
 def unsteady_warmup_runs(config: EngineConfig, device: torch.device) -> int:
     """Warm-up runs per shape left out of its latency: the first (compile, allocator warm-up) and,
-    compiled on CUDA, the second, in which inductor records the shape's CUDA graph."""
-    return 2 if config.compile and device.type == "cuda" else 1
+    where forwards replay CUDA graphs, the second, in which inductor records the shape's graph."""
+    return 2 if replays_on_one_thread(config, device) else 1
 
 
 def _score_result(nll: np.ndarray, token_logprobs: bool) -> dict:

@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import sys
 
-from ..commands import add_command
+from ..commands import add_command, check_limits
 from ..files import write_json
 
 EXAMPLES = """examples:
@@ -30,22 +30,29 @@ LOADTEST_PATHS = {
 """`loadtest --endpoint` -> the path its default `--url` (on 127.0.0.1:8000) ends with."""
 
 
-def loadtest_payloads(args: argparse.Namespace) -> list[dict]:
-    """The request bodies `--endpoint` describes: slipstream token payloads from the gpt-stdlib
-    validation split, or OpenAI bodies over `--prompts` (default: local text paragraphs)."""
+def openai_prompts(args: argparse.Namespace) -> list[str] | None:
+    """The `--prompts` of an OpenAI `--endpoint` (default: local text paragraphs), read before
+    anything is sent, so a bad file is named first; None for slipstream's own endpoints."""
+    from ..recipe import RecipeError
+    from . import bodies
+
+    if args.endpoint not in bodies.OPENAI_ENDPOINTS:
+        return None
+    try:
+        return bodies.load_prompts(args.prompts, args.prompt_chars)
+    except UnicodeDecodeError as err:
+        raise RecipeError(
+            f"--prompts {args.prompts} is not UTF-8 text (byte {err.start}); give a .txt or .jsonl file"
+        ) from None
+
+
+def loadtest_payloads(args: argparse.Namespace, prompts: list[str] | None) -> list[dict]:
+    """The request bodies `--endpoint` describes: OpenAI bodies over `prompts` (the model named by
+    `--model-name`, else asked of the server), or slipstream token payloads from the gpt-stdlib
+    validation split."""
     from . import bodies, loadgen
 
-    if args.endpoint in bodies.OPENAI_ENDPOINTS:
-        from ..recipe import RecipeError
-
-        try:
-            prompts = bodies.load_prompts(args.prompts, args.prompt_chars)
-        except UnicodeDecodeError as err:
-            raise RecipeError(
-                f"--prompts {args.prompts} is not UTF-8 text (byte {err.start}); give a .txt or .jsonl file"
-            ) from None
-        if not args.model_name:
-            loadgen.check_reachable(args.url)
+    if prompts is not None:
         model = args.model_name or loadgen.served_model(args.url)
         return bodies.openai_payloads(prompts, args.endpoint, model, args.max_new_tokens, args.stream)
     payloads = bodies.validation_payloads(
@@ -71,19 +78,19 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         )
     if args.sweep and args.slo_ms is None:
         raise RecipeError("--sweep needs --slo-ms (the p99 latency target)")
-    positive = {
-        "--rate": args.rate,
-        "--concurrency": args.concurrency,
-        "--duration": args.duration,
-        "--slo-ms": args.slo_ms,
-        "--start-rate": args.start_rate,
-        "--timeout-s": args.timeout_s,
-    }
-    for flag, value in positive.items():
-        if value is not None and not value > 0:  # `not >` also refuses nan
-            raise RecipeError(f"{flag} {value} must be > 0")
-    payloads = loadtest_payloads(args)
-    loadgen.check_reachable(args.url)
+    check_limits(
+        positive={
+            "--rate": args.rate,
+            "--concurrency": args.concurrency,
+            "--duration": args.duration,
+            "--slo-ms": args.slo_ms,
+            "--start-rate": args.start_rate,
+            "--timeout-s": args.timeout_s,
+        }
+    )
+    prompts = openai_prompts(args)
+    loadgen.check_reachable(args.url)  # once, before the server is asked for its model
+    payloads = loadtest_payloads(args, prompts)
     if args.sweep:
         res = asyncio.run(
             loadgen.sweep(

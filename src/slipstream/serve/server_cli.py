@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from ..commands import add_command
+from ..commands import add_command, check_limits
 from ..files import write_json
 
 EXAMPLES = """examples:
@@ -44,29 +44,25 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Refuse `serve` flags that cannot work, before the model loads (one line, exit 2)."""
     from ..recipe import RecipeError
 
-    positive = {
-        "--max-batch-size": args.max_batch_size,
-        "--max-batch-tokens": args.max_batch_tokens,
-        "--buckets": args.buckets,
-        "--workers": args.workers,
-        "--max-queue": args.max_queue,
-        "--max-body-bytes": args.max_body_bytes,
-        "--latency-budget-ms": args.latency_budget_ms,
-        "--timeout-ms": args.timeout_ms,
-        "--generate-latency-budget-ms": args.generate_latency_budget_ms,
-    }
-    at_least_0 = {
-        "--threads": args.threads,
-        "--generate-slots": args.generate_slots,
-        "--drain-timeout": args.drain_timeout,
-        "--generate-max-wait-ms": args.generate_max_wait_ms,
-    }
-    for flag, value in positive.items():
-        if value is not None and not value > 0:  # `not >` also refuses nan
-            raise RecipeError(f"{flag} {value} must be > 0")
-    for flag, value in at_least_0.items():
-        if value is not None and not value >= 0:
-            raise RecipeError(f"{flag} {value} must be >= 0")
+    check_limits(
+        positive={
+            "--max-batch-size": args.max_batch_size,
+            "--max-batch-tokens": args.max_batch_tokens,
+            "--buckets": args.buckets,
+            "--workers": args.workers,
+            "--max-queue": args.max_queue,
+            "--max-body-bytes": args.max_body_bytes,
+            "--latency-budget-ms": args.latency_budget_ms,
+            "--timeout-ms": args.timeout_ms,
+            "--generate-latency-budget-ms": args.generate_latency_budget_ms,
+        },
+        at_least_0={
+            "--threads": args.threads,
+            "--generate-slots": args.generate_slots,
+            "--drain-timeout": args.drain_timeout,
+            "--generate-max-wait-ms": args.generate_max_wait_ms,
+        },
+    )
     if args.max_len is not None and args.max_len < 2:
         raise RecipeError(f"--max-len {args.max_len} must be at least 2")
     if not 0 <= args.port <= 65535:
