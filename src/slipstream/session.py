@@ -55,8 +55,11 @@ __all__ = [
 ]
 
 
-def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) -> dict[str, object]:
-    """Swap fused kernels into this model instance; returns what was swapped."""
+def apply_kernels(
+    model: nn.Module, cfg: KernelsConfig, device: torch.device, chooser: Any = None
+) -> dict[str, object]:
+    """Swap fused kernels into this model instance; returns what was swapped. Under ``auto``,
+    ``chooser`` (a kernels.KernelChooser) times each op's candidates and only winners are swapped."""
     hf = is_hf_model(model)
     if hf:
         from .models.hf import prepare_forward
@@ -68,24 +71,36 @@ def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device) ->
         from .models.hf import apply_hf_kernels as swap
     else:
         from .kernels import apply_kernels as swap  # lazy: Triton is optional
-    report = swap(model, cfg.ops, device)
-    out: dict[str, object] = {"kernels_swapped": dict(report.swapped), "kernels_backend": report.backend}
+    report = swap(model, cfg.ops, device, chooser=chooser)
+    out: dict[str, object] = {
+        "kernels_swapped": dict(report.swapped),
+        "kernels_backend": report.backend,
+        "kernels_backends": dict(report.backends),
+    }
     if report.skipped:
         out["kernels_skipped"] = dict(report.skipped)
+    if report.timings:
+        out["kernels_timings"] = dict(report.timings)
     return out
 
 
-def _kernels_decision(swapped: dict[str, object], device: torch.device) -> Decision:
-    ops = sorted(swapped.get("kernels_swapped", {}))  # type: ignore[arg-type]
-    if device.type == "cuda":
-        why = "Triton kernels for every op this model has (fewer launches, no logits tensor)"
-    else:
-        # On CPU the other fused ops would run torch's own op under another name: nothing to gain.
-        why = (
-            "CPU: only ops whose torch path beats what they replace; linear_cross_entropy never builds "
-            "the logits (0.065x peak memory, benchmarks/kernels.py memory)"
-        )
-    return Decision("kernels.ops", ",".join(ops) or "none", why)
+def _kernels_decisions(swapped: dict[str, object]) -> list[Decision]:
+    """One decision per timed op (`kernels.<op>`: the candidate installed, or keep) and the summary
+    `kernels.ops` (op=backend for every swap, which a resumed run installs again untimed)."""
+    timings: dict[str, dict] = swapped.get("kernels_timings", {})  # type: ignore[assignment]
+    backends: dict[str, str] = swapped.get("kernels_backends", {})  # type: ignore[assignment]
+    out = [Decision(f"kernels.{op}", t["choice"], t["reason"]) for op, t in sorted(timings.items())]
+    summary = ",".join(f"{op}={b}" for op, b in sorted(backends.items())) or "none"
+    why = "each op timed fwd+bwd against the model's own module; swapped only where a candidate won"
+    return [*out, Decision("kernels.ops", summary, why)]
+
+
+def _resumed_kernels(decisions: dict[str, dict[str, str]]) -> dict[str, str] | None:
+    kept = decisions.get("kernels.ops")
+    if kept is None:
+        return None
+    choice = kept["choice"]
+    return {} if choice == "none" else dict(item.split("=", 1) for item in choice.split(",") if "=" in item)
 
 
 class Session:
@@ -189,10 +204,11 @@ class Session:
         self.record(Decision("model.convention", self.convention.name, why))
         self._packing_problem = False
         model = model.to(self.device)
-        swapped = apply_kernels(model, self.recipe.kernels, self.device)
+        swapped = apply_kernels(model, self.recipe.kernels, self.device, self._kernel_chooser())
         self.tracker.extra.update(swapped)
         if self.recipe.kernels.ops == "auto":
-            self.record(_kernels_decision(swapped, self.device))
+            for decision in _kernels_decisions(swapped):
+                self.record(decision)
         if self.precision == "fp8":
             self.tracker.extra.update(_precision.apply_fp8(model))
         wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
@@ -378,6 +394,24 @@ class Session:
         if not flow.prefetch:
             return loader
         return PrefetchLoader(loader, flow.prefetch_depth, device=self.device, on_batch=self.tracker.on_batch)
+
+    def _kernel_chooser(self):
+        """kernels.ops=auto: time at the recipe's tokens per batch in the compute dtype, knowing
+        whether the whole model will be compiled; a resumed run installs its earlier choices."""
+        if self.recipe.kernels.ops != "auto":
+            return None
+        from .kernels import KernelChooser
+
+        dtype = _precision.AUTOCAST_DTYPES.get(
+            self.precision, torch.bfloat16 if self.precision == "fp8" else torch.float32
+        )
+        return KernelChooser(
+            rows=self.recipe.shapes.tokens_per_batch,
+            dtype=dtype,
+            compiled_model=self.recipe.compile.mode != "off",
+            fixed=_resumed_kernels(self.decisions),
+            agree=lambda verdicts: agree(verdicts, self.dist),
+        )
 
     def _decide_optimizer_impl(self, model: nn.Module) -> Decision:
         """optimizer.impl=auto: foreach or fused, timed on copies of this model's parameters."""

@@ -41,12 +41,37 @@ def test_fused_kernels_give_the_models_own_loss_and_gradients(kind):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_auto_on_cpu_fuses_only_the_lm_head():
+def test_auto_times_only_the_ops_this_model_has_and_swaps_the_winners():
+    from slipstream.kernels import KernelChooser, injected_timer
+    from slipstream.models.hf import apply_hf_kernels
+
+    seen = []
+    table = {
+        "linear_cross_entropy": {"keep": 2.0, "torch": 1.0},  # the chunked head wins
+        "rms_norm": {"keep": 1.0},
+        "swiglu": {"keep": 1.0},
+    }
+
+    def timer(op, candidate, run, device):
+        seen.append(op)
+        return injected_timer(table)(op, candidate, run, device)
+
+    model = BUILDERS["llama"]()
+    report = apply_hf_kernels(model, "auto", torch.device("cpu"), chooser=KernelChooser(rows=64, timer=timer))
+    assert set(seen) == {"linear_cross_entropy", "rms_norm", "swiglu"}  # a Llama has no LayerNorm
+    assert report.backends == {"linear_cross_entropy": "torch"}
+    assert report.swapped == {"linear_cross_entropy": 1}
+    assert "kept the model's own module" in report.skipped["rms_norm"]
+    assert report.skipped["layer_norm"] == "not in this model"
+
+
+def test_auto_in_a_session_records_each_ops_timing():
     session = kernels_session("auto")
     session.prepare_model(BUILDERS["llama"]())
-    extra = session.metrics().extra
-    assert extra["kernels_swapped"] == {"linear_cross_entropy": 1}
-    assert "no gain on the torch backend" in extra["kernels_skipped"]["rms_norm"]
+    decisions = session.decisions
+    assert {"kernels.linear_cross_entropy", "kernels.rms_norm", "kernels.swiglu"} <= set(decisions)
+    assert "fwd+bwd at 512x" in decisions["kernels.linear_cross_entropy"]["reason"]
+    assert decisions["kernels.rms_norm"]["choice"] == "keep"  # on CPU nothing but torch's op is timed
 
 
 class ScaledLogits(transformers.GPT2LMHeadModel):

@@ -12,7 +12,8 @@ import functools
 import torch
 
 from . import reference
-from .dispatch import check_launchable, new_output, resolve_backend, triton_lang
+from .alternatives import alternative
+from .dispatch import ALTERNATIVES, check_launchable, new_output, resolve_backend, triton_lang
 
 BLOCK = 1024  # elementwise tile
 SILU, GELU_TANH = 0, 1
@@ -73,21 +74,30 @@ def _check_pair(gate, up):
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``silu(gate) * up``."""
     _check_pair(gate, up)
-    if resolve_backend(backend, gate.device) == "torch":
+    b = resolve_backend(backend, gate.device)
+    if b == "torch":
         return reference.swiglu(gate, up)
+    if b in ALTERNATIVES:
+        return alternative("swiglu", b)(gate, up)
     return TritonGatedActivation.apply(gate, up, SILU)
 
 
 def geglu_tanh(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``gelu_tanh(gate) * up``."""
     _check_pair(gate, up)
-    if resolve_backend(backend, gate.device) == "torch":
+    b = resolve_backend(backend, gate.device)
+    if b in ALTERNATIVES:
+        raise ValueError(f"geglu_tanh has no {b!r} backend: use 'auto', 'triton' or 'torch'")
+    if b == "torch":
         return reference.geglu_tanh(gate, up)
     return TritonGatedActivation.apply(gate, up, GELU_TANH)
 
 
 def gelu_tanh(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``F.gelu(x, approximate="tanh")``."""
-    if resolve_backend(backend, x.device) == "torch":
+    b = resolve_backend(backend, x.device)
+    if b == "torch":
         return reference.gelu_tanh(x)
+    if b in ALTERNATIVES:
+        return alternative("gelu_tanh", b)(x)
     return TritonGatedActivation.apply(x, None, GELU_TANH)

@@ -14,7 +14,15 @@ import functools
 
 import torch
 
-from .dispatch import check_launchable, new_output, next_power_of_2, resolve_backend, triton_lang
+from .alternatives import alternative
+from .dispatch import (
+    ALTERNATIVES,
+    check_launchable,
+    new_output,
+    next_power_of_2,
+    resolve_backend,
+    triton_lang,
+)
 from .reference import cross_entropy as _reference
 
 # Column tile: large enough to stream a row in few iterations, small enough not to spill registers
@@ -120,6 +128,9 @@ def cross_entropy(
             f"and {tuple(target.shape)}: flatten batch and time first"
         )
     row_scale_for(target[:0], ignore_index, reduction)  # validates `reduction` on either path
-    if resolve_backend(backend, logits.device) == "torch":
+    b = resolve_backend(backend, logits.device)
+    if b == "torch":
         return _reference(logits, target, ignore_index, reduction).float()
+    if b in ALTERNATIVES:
+        return alternative("cross_entropy", b)(logits, target, ignore_index, reduction).float()
     return TritonCrossEntropy.apply(logits.contiguous(), target, ignore_index, reduction)

@@ -16,8 +16,11 @@ from typing import Literal
 
 import torch
 
-Backend = Literal["auto", "triton", "torch"]
-BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+Backend = Literal["auto", "triton", "torch", "liger", "compile"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch", "liger", "compile")
+ALTERNATIVES: tuple[str, ...] = ("liger", "compile")
+"""Backends that are not ours: Liger-Kernel's Triton ops, or inductor's code for the torch reference
+(see slipstream.kernels.alternatives). kernels.ops=auto times them beside ours and keeps the fastest."""
 
 # Debug switch for tests: fresh outputs start as NaN so an element a kernel forgot to write fails loudly.
 _POISON = contextvars.ContextVar("slipstream_kernels_poison", default=False)
@@ -32,17 +35,27 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(requested: str, device: torch.device | str) -> Literal["triton", "torch"]:
-    """Turn ``auto | triton | torch`` plus a device into the backend that will actually run.
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def resolve_backend(requested: str, device: torch.device | str) -> str:
+    """Turn ``auto | triton | torch | liger | compile`` plus a device into the backend that will run.
 
     ``auto`` picks Triton only on CUDA (with Triton installed); everywhere else the pure-torch path.
-    Forcing ``triton`` on a CPU is an error unless ``TRITON_INTERPRET=1`` is set.
+    Forcing ``triton`` on a CPU is an error unless ``TRITON_INTERPRET=1`` is set; ``liger`` needs
+    CUDA and the liger-kernel package; ``compile`` (inductor on the torch reference) runs anywhere.
     """
     if requested not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {requested!r}")
     device = torch.device(device)
-    if requested == "torch":
-        return "torch"
+    if requested in ("torch", "compile"):
+        return requested
+    if requested == "liger":
+        problem = liger_problem(device)
+        if problem:
+            raise RuntimeError(f"kernel backend 'liger' {problem}")
+        return "liger"
     if requested == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if not triton_available():
@@ -57,6 +70,15 @@ def resolve_backend(requested: str, device: torch.device | str) -> Literal["trit
             "Triton's (slow) CPU interpreter"
         )
     return "triton"
+
+
+def liger_problem(device: torch.device | str) -> str | None:
+    """Why Liger-Kernel cannot run here (None: it can)."""
+    if torch.device(device).type != "cuda":
+        return f"needs a CUDA device, got {torch.device(device).type!r}"
+    if not liger_available():
+        return "needs the liger-kernel package: pip install 'slipstream[gpu]' (or pip install liger-kernel)"
+    return None
 
 
 def triton_lang():

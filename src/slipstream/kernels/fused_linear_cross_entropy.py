@@ -21,8 +21,9 @@ import math
 
 import torch
 
+from .alternatives import alternative
 from .cross_entropy import ce_rows_triton, reduce_loss, row_scale_for
-from .dispatch import new_output, next_power_of_2, resolve_backend
+from .dispatch import ALTERNATIVES, new_output, next_power_of_2, resolve_backend
 
 
 def default_chunk_rows(n_rows: int, hidden: int, vocab: int) -> int:
@@ -207,6 +208,11 @@ def fused_linear_cross_entropy(
     elif weight.dtype != x.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}: cast one or use autocast")
     backend = resolve_backend(backend, x.device)
+    if backend in ALTERNATIVES:
+        with torch.autocast(device_type, enabled=False):
+            return alternative("linear_cross_entropy", backend)(
+                x, weight, target, bias, ignore_index, reduction
+            ).float()
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(x.shape[0], hidden, weight.shape[0])
     with torch.autocast(device_type, enabled=False):

@@ -17,7 +17,9 @@ import functools
 import torch
 
 from . import reference
+from .alternatives import alternative
 from .dispatch import (
+    ALTERNATIVES,
     check_launchable,
     new_output,
     next_power_of_2,
@@ -122,6 +124,13 @@ def _check(x, weight, bias, residual=None):
             )
 
 
+def _fused_add_backend(backend: str, device) -> str:
+    b = resolve_backend(backend, device)
+    if b in ALTERNATIVES:
+        raise ValueError(f"the fused add+norm ops have no {b!r} backend: use 'auto', 'triton' or 'torch'")
+    return b
+
+
 def _rms_eps(x, eps):
     # nn.RMSNorm's eps=None means the dtype's machine epsilon
     return torch.finfo(x.dtype).eps if eps is None else eps
@@ -130,23 +139,29 @@ def _rms_eps(x, eps):
 def rms_norm(x, weight=None, eps: float | None = None, backend: str = "auto"):
     """``F.rms_norm`` over the last dimension."""
     _check(x, weight, None)
-    if resolve_backend(backend, x.device) == "torch":
+    b = resolve_backend(backend, x.device)
+    if b == "torch":
         return reference.rms_norm(x, weight, eps)
+    if b in ALTERNATIVES:
+        return alternative("rms_norm", b)(x, weight, eps)
     return TritonNorm.apply(x, None, weight, None, _rms_eps(x, eps), True)
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, backend: str = "auto"):
     """``F.layer_norm`` over the last dimension."""
     _check(x, weight, bias)
-    if resolve_backend(backend, x.device) == "torch":
+    b = resolve_backend(backend, x.device)
+    if b == "torch":
         return reference.layer_norm(x, weight, bias, eps)
+    if b in ALTERNATIVES:
+        return alternative("layer_norm", b)(x, weight, bias, eps)
     return TritonNorm.apply(x, None, weight, bias, eps, False)
 
 
 def add_rms_norm(x, residual, weight=None, eps: float | None = None, backend: str = "auto"):
     """``(rms_norm(x + residual), x + residual)`` in one pass."""
     _check(x, weight, None, residual)
-    if resolve_backend(backend, x.device) == "torch":
+    if _fused_add_backend(backend, x.device) == "torch":
         return reference.add_rms_norm(x, residual, weight, eps)
     return TritonNorm.apply(x, residual, weight, None, _rms_eps(x, eps), True)
 
@@ -154,6 +169,6 @@ def add_rms_norm(x, residual, weight=None, eps: float | None = None, backend: st
 def add_layer_norm(x, residual, weight=None, bias=None, eps: float = 1e-5, backend: str = "auto"):
     """``(layer_norm(x + residual), x + residual)`` in one pass."""
     _check(x, weight, bias, residual)
-    if resolve_backend(backend, x.device) == "torch":
+    if _fused_add_backend(backend, x.device) == "torch":
         return reference.add_layer_norm(x, residual, weight, bias, eps)
     return TritonNorm.apply(x, residual, weight, bias, eps, False)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import nn as knn
+from .chooser import KEEP, KernelChooser
 from .dispatch import resolve_backend
 
 KERNEL_OPS: tuple[str, ...] = (
@@ -26,10 +27,6 @@ KERNEL_OPS: tuple[str, ...] = (
     "gelu_tanh",
 )
 
-# Ops whose CPU (pure torch) path beats what they replace. Under "auto" on CPU only these are
-# swapped: the others would run torch's own op under another name, a change with nothing to gain.
-CPU_WINS = frozenset({"linear_cross_entropy"})
-
 # Hugging Face's Llama-family RMSNorms: weight * (x * rsqrt(mean(x^2) + eps)) in fp32, what ours
 # computes. Gemma's (1 + weight) form is deliberately absent: the kernel would compute another function.
 HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "OlmoRMSNorm"})
@@ -37,11 +34,14 @@ HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwe
 
 @dataclass
 class KernelSwapReport:
-    """What ``apply_kernels`` did. ``swapped``: op -> modules replaced; ``skipped``: op -> reason."""
+    """What ``apply_kernels`` did. ``swapped``: op -> modules replaced; ``skipped``: op -> reason;
+    ``backends``: op -> the backend installed; ``timings``: op -> the chooser's verdict (auto only)."""
 
     backend: str
     swapped: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    backends: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,19 +120,39 @@ def parse_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def active_ops(
-    ops: str | Sequence[str], backend: str, device: torch.device | str, report: KernelSwapReport
-) -> list[str]:
-    """The ops of ``ops`` to swap on ``backend``: under ``auto`` on the torch backend only those with
-    a CPU win (the others are recorded in ``report.skipped``); named ops always."""
-    active = []
-    for op in parse_ops(ops):
-        if ops == "auto" and backend == "torch" and op not in CPU_WINS:
-            report.skipped[op] = (
-                f"no gain on the torch backend ({torch.device(device).type}): kept torch's module"
-            )
+    ops: str | Sequence[str],
+    backend: str,
+    device: torch.device | str,
+    report: KernelSwapReport,
+    present: Sequence[str],
+    model: nn.Module,
+    chooser: KernelChooser | None = None,
+) -> dict[str, str]:
+    """op -> backend for the ops of ``ops`` to swap. Named ops always run on ``backend``. Under
+    ``auto`` (ops and backend both) each op in ``present`` is timed against the model's own module
+    by ``chooser`` and swapped only where a candidate wins; the verdicts go into ``report``."""
+    if not (ops == "auto" and backend == "auto"):
+        chosen = resolve_backend(backend, device)
+        return {op: chosen for op in parse_ops(ops)}
+    verdicts = (chooser or KernelChooser())(model, [op for op in KERNEL_OPS if op in present], device)
+    active = {}
+    for op, verdict in verdicts.items():
+        report.timings[op] = {**verdict.to_dict(), "reason": verdict.reason}
+        if verdict.choice == KEEP:
+            report.skipped[op] = f"kept the model's own module: {verdict.reason}"
         else:
-            active.append(op)
+            active[op] = verdict.choice
     return active
+
+
+def present_ops(model: nn.Module, ops: Sequence[str]) -> list[str]:
+    """The ops of ``ops`` that have a module to swap in ``model``."""
+    found = set()
+    for child in model.modules():
+        if isinstance(child, knn.KernelModule):
+            continue
+        found.update(op for op in ops if op not in found and _RULES[op][0](child))
+    return [op for op in ops if op in found]
 
 
 def apply_kernels(
@@ -140,18 +160,23 @@ def apply_kernels(
     ops: str | Sequence[str],
     device: torch.device | str,
     backend: str = "auto",
+    *,
+    chooser: KernelChooser | None = None,
 ) -> KernelSwapReport:
     """Swap the submodules of ``model`` that match ``ops`` for kernel modules, in place.
 
-    ``device`` is where the model will run: ``auto`` uses Triton on CUDA and the pure-torch path
-    elsewhere, where only the ops with a CPU win (``CPU_WINS``) are swapped. Naming ops explicitly
-    swaps them on any device. Calling twice is harmless (kernel modules are not matched again).
+    ``ops="auto"`` with ``backend="auto"`` times, per op the model has, our kernel, Liger-Kernel's,
+    inductor's and the model's own module at the model's widths on ``device`` (see
+    slipstream.kernels.chooser) and swaps only the winners. Named ops or a named backend swap
+    exactly that, on any device. Calling twice is harmless (kernel modules are not matched again).
     """
-    if not parse_ops(ops):
+    names = parse_ops(ops)
+    if not names:
         return KernelSwapReport(backend="torch")
-    chosen = resolve_backend(backend, device)
-    report = KernelSwapReport(backend=chosen)
-    active = active_ops(ops, chosen, device, report)
+    report = KernelSwapReport(backend=resolve_backend("auto" if backend == "auto" else backend, device))
+    present = present_ops(model, names)
+    active = active_ops(ops, backend, device, report, present, model, chooser)
+    report.backends = {op: b for op, b in active.items() if op in present}
 
     replaced: dict[int, tuple[str, nn.Module]] = {}  # id(old) -> (op, new): shared modules stay shared
     for parent in list(model.modules()):
@@ -162,12 +187,12 @@ def apply_kernels(
                 op = next((op for op in active if _RULES[op][0](child)), None)
                 if op is None:
                     continue
-                replaced[id(child)] = (op, _RULES[op][1](child, chosen))
+                replaced[id(child)] = (op, _RULES[op][1](child, active[op]))
             parent._modules[name] = replaced[id(child)][1]
 
     for op, _ in replaced.values():
         report.swapped[op] = report.swapped.get(op, 0) + 1
-    for op in active:
-        if op not in report.swapped:
+    for op in names:
+        if op not in present:
             report.skipped[op] = f"no {_WHAT[op]} in the model"
     return report

@@ -99,45 +99,66 @@ def _fused_head_problem(model: nn.Module, backend: str) -> str | None:
     return None
 
 
+def _swiglu_mlps(model: nn.Module) -> list[nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__ in _SWIGLU_MLPS and getattr(m.config, "hidden_act", None) == "silu"
+    ]
+
+
 def _swap_swiglu_mlps(model: nn.Module, backend: str) -> int:
     from ..kernels import swiglu
 
     def forward(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), backend=backend))
 
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in _SWIGLU_MLPS and getattr(module.config, "hidden_act", None) == "silu":
-            module.forward = types.MethodType(forward, module)
-            count += 1
-    return count
+    mlps = _swiglu_mlps(model)
+    for module in mlps:
+        module.forward = types.MethodType(forward, module)
+    return len(mlps)
 
 
-def apply_hf_kernels(model: nn.Module, ops: str | Sequence[str], device: torch.device):
-    """Fused kernels on a Hugging Face causal LM instance; returns a kernels.KernelSwapReport."""
-    from ..kernels import apply_kernels, resolve_backend
-    from ..kernels.swap import KernelSwapReport, active_ops
+def apply_hf_kernels(model: nn.Module, ops: str | Sequence[str], device: torch.device, *, chooser=None):
+    """Fused kernels on a Hugging Face causal LM instance; returns a kernels.KernelSwapReport.
+
+    Under ``auto`` each op this model has is timed against the model's own code by ``chooser``
+    (slipstream.kernels.chooser) and swapped only where a candidate wins."""
+    from ..kernels import resolve_backend
+    from ..kernels.swap import KernelSwapReport, active_ops, parse_ops, present_ops
 
     prepare_forward(model)
-    backend = resolve_backend("auto", device)
-    report = KernelSwapReport(backend=backend)
-    active = active_ops(ops, backend, device, report)
-    # Modules swapped by type (nn.LayerNorm in GPT-2, Llama-family RMSNorms) go through the shared
-    # swap; the LM head and the MLP are code inside the model's forward, changed on this instance.
-    by_module = [op for op in active if op not in ("linear_cross_entropy", "swiglu")]
-    if by_module:
-        done = apply_kernels(model, by_module, device)
-        report.swapped.update(done.swapped)
-        report.skipped.update(done.skipped)
-    if "linear_cross_entropy" in active:
-        problem = _fused_head_problem(model, backend)
+    report = KernelSwapReport(backend=resolve_backend("auto", device))
+    names = parse_ops(ops)
+    # The LM head and the MLP are code inside the model's forward, changed on this instance; the
+    # fused head is checked against the model's own loss first (on the torch path: cheap, exact).
+    present = present_ops(model, [op for op in names if op not in ("linear_cross_entropy", "swiglu")])
+    if "linear_cross_entropy" in names:
+        problem = _fused_head_problem(model, "torch")
         if problem is None:
-            model._slipstream_fused_head = backend  # type: ignore[attr-defined]
-            report.swapped["linear_cross_entropy"] = 1
+            present.append("linear_cross_entropy")
         else:
             report.skipped["linear_cross_entropy"] = problem
-    if "swiglu" in active:
-        n = _swap_swiglu_mlps(model, backend)
-        if n:
-            report.swapped["swiglu"] = n
+    if "swiglu" in names and _swiglu_mlps(model):
+        present.append("swiglu")
+    active = active_ops(ops, "auto", device, report, present, model, chooser)
+    report.backends = {op: b for op, b in active.items() if op in present}
+    by_module = [op for op in report.backends if op not in ("linear_cross_entropy", "swiglu")]
+    for op in by_module:  # one backend per op: swapped op by op
+        done = _apply_module_kernels(model, [op], device, report.backends[op])
+        report.swapped.update(done.swapped)
+    if "linear_cross_entropy" in report.backends:
+        model._slipstream_fused_head = report.backends["linear_cross_entropy"]  # type: ignore[attr-defined]
+        report.swapped["linear_cross_entropy"] = 1
+    if "swiglu" in report.backends:
+        report.swapped["swiglu"] = _swap_swiglu_mlps(model, report.backends["swiglu"])
+    for op in names:
+        if op not in present and op not in report.skipped:
+            report.skipped[op] = "not in this model"
     return report
+
+
+def _apply_module_kernels(model: nn.Module, ops: list[str], device: torch.device, backend: str):
+    from ..kernels import apply_kernels
+
+    return apply_kernels(model, ops, device, backend=backend)
