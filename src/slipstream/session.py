@@ -327,7 +327,7 @@ class Session:
                 raise RecipeError(f"max_len={max_len} must be at least 2")
             cfg = replace(cfg, max_len=max_len)
         if cfg.mode == "pack":
-            self._check_packing(sequences)
+            self._check_packing(sequences, cfg.max_len)
         elif cfg.mode == "auto":
             if "shapes.mode" not in self.decisions:  # decided once per session, then reused
                 decision = agree(
@@ -336,6 +336,13 @@ class Session:
                 self.tracker.extra["shape_mode_auto_choice"] = decision.choice
                 self.record(decision)
             cfg = replace(cfg, mode=self.decisions["shapes.mode"]["choice"])
+        if tokens_per_batch is None and self._searches_batch(cfg):
+            if "shapes.tokens_per_batch" not in self.decisions:  # once per session; a resumed run keeps it
+                decision = agree(
+                    self._decide_tokens_per_batch(sequences, cfg, pad_id=pad_id, lengths=lengths), self.dist
+                )
+                self.record(decision)
+            cfg = replace(cfg, tokens_per_batch=int(self.decisions["shapes.tokens_per_batch"]["choice"]))
         flow = self.recipe.dataflow
         loader = ShapedLoader(
             sequences,
@@ -395,6 +402,45 @@ class Session:
             return loader
         return PrefetchLoader(loader, flow.prefetch_depth, device=self.device, on_batch=self.tracker.on_batch)
 
+    def _searches_batch(self, cfg) -> bool:
+        """shapes.batch_search=auto on CUDA with tokens_per_batch at its default (not pinned)."""
+        from .recipe import ShapesConfig
+
+        default = ShapesConfig.__dataclass_fields__["tokens_per_batch"].default
+        return (
+            cfg.batch_search == "auto"
+            and self.device.type == "cuda"
+            and cfg.tokens_per_batch == default
+            and self.local_model is not None
+        )
+
+    def _decide_tokens_per_batch(self, sequences: Sequence, cfg, *, pad_id: int, lengths) -> Decision:
+        """Tokens per batch by the knee of measured tokens/s on this model (slipstream.batch_size)."""
+        from .batch_size import find_knee, step_timer
+
+        model = getattr(self.local_model, "_orig_mod", self.local_model)  # eager: a trial must not compile
+
+        def batches_at(tokens: int):
+            loader = ShapedLoader(
+                sequences,
+                replace(cfg, tokens_per_batch=tokens),
+                seed=self.recipe.runtime.seed,
+                device=self.device,
+                pad_id=pad_id,
+                lengths=lengths,
+                convention=self.convention,
+            )
+            for i, batch in enumerate(loader):
+                if i >= 4:
+                    break
+                yield batch
+
+        measure = step_timer(model, batches_at, self.autocast, self.device, loss_of)
+        memory = torch.cuda.get_device_properties(self.device).total_memory
+        with torch.random.fork_rng(devices=[self.device]):
+            choice = find_knee(measure, cfg.tokens_per_batch, memory_bytes=memory)
+        return Decision("shapes.tokens_per_batch", str(choice.tokens), choice.reason)
+
     def _kernel_chooser(self):
         """kernels.ops=auto: time at the recipe's tokens per batch in the compute dtype, knowing
         whether the whole model will be compiled; a resumed run installs its earlier choices."""
@@ -438,21 +484,28 @@ class Session:
             "optimizer.impl", choice, f"one optimizer step timed on copies of the parameters: {figures}"
         )
 
-    def packing_problem(self, sequences: Sequence = ()) -> str | None:
+    def packing_problem(self, sequences: Sequence = (), max_len: int | None = None) -> str | None:
         """Why packed rows would train this model on another function (None: checked, they don't).
 
         Measured once per prepared model: each of a few documents of `sequences` gives the same
-        loss packed with the others as alone (slipstream.models.verify)."""
+        loss packed with the others as alone (slipstream.models.verify), in a row no wider than
+        `max_len` (default shapes.max_len: the rows the loader builds)."""
         if self.local_model is None:
             return None
         if self._packing_problem is False:
             from .models.verify import packing_problem
 
-            self._packing_problem = packing_problem(self.local_model, self.convention, self.device, sequences)
+            self._packing_problem = packing_problem(
+                self.local_model,
+                self.convention,
+                self.device,
+                sequences,
+                max_len=self.recipe.shapes.max_len if max_len is None else max_len,
+            )
         return self._packing_problem  # type: ignore[return-value]
 
-    def _check_packing(self, sequences: Sequence) -> None:
-        problem = self.packing_problem(sequences)
+    def _check_packing(self, sequences: Sequence, max_len: int) -> None:
+        problem = self.packing_problem(sequences, max_len)
         if problem:
             raise RecipeError(f"shapes.mode=pack refused: {problem}; use shapes.mode=bucket (or auto)")
 
@@ -464,7 +517,7 @@ class Session:
 
         if self.local_model is None:
             return Decision("shapes.mode", "pack", "model not prepared before the loader: not measured")
-        problem = self.packing_problem(sequences)
+        problem = self.packing_problem(sequences, cfg.max_len)
         if problem:
             return Decision("shapes.mode", "bucket", f"packing refused: {problem}")
         if self.dist.active and self.recipe.distributed.strategy == "fsdp":
