@@ -45,6 +45,12 @@ class ShapesConfig:
     tokens_per_batch: int = 8192
     """Token budget per batch: batch size is chosen so batch * row_len <= tokens_per_batch."""
 
+    batch_search: Literal["auto", "off"] = "auto"
+    """auto: on CUDA, when tokens_per_batch is left at its default (8192), a training step is timed
+    on the user's batches at doubling budgets and the knee is kept (< 10% more tokens/s per
+    doubling, memory headroom, or OOM; slipstream.batch_size); the trials are the recorded reason.
+    off, or any other tokens_per_batch, pins it. CPUs are never searched."""
+
     overflow: Literal["error", "truncate", "split", "drop"] = "truncate"
     """What to do with a sequence longer than max_len: refuse, cut the tail, cut it into pieces,
     or skip it (dropped sequences and tokens are counted in the metrics)."""
