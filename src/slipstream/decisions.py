@@ -92,6 +92,35 @@ def decide_precision(device: torch.device | str, p: MachineProbe | None = None) 
     return Decision("precision.dtype", "fp32", "; ".join(lines))
 
 
+def decide_tf32(
+    requested: str, device: torch.device | str, dtype: str, p: MachineProbe | None = None
+) -> Decision:
+    """precision.tf32: whether fp32 matmuls run as TF32 on tensor cores. `on` is refused off CUDA;
+    `auto` turns it on only for fp32 compute on CUDA where the probe measured TF32 matmuls at least
+    PAYS_RATIO x plain fp32's (a cached probe from before TF32 was measured says to refresh)."""
+    from .errors import RecipeError
+
+    device = torch.device(device)
+    if requested == "off":
+        return Decision("precision.tf32", "off", "off: plain fp32 matmuls (torch's default)")
+    if device.type != "cuda":
+        if requested == "on":
+            raise RecipeError(
+                f"precision.tf32=on needs a CUDA device (this run is on {device.type}); use off or auto"
+            )
+        return Decision("precision.tf32", "off", f"{device.type}: TF32 is a CUDA tensor-core mode")
+    if requested == "on":
+        return Decision("precision.tf32", "on", "asked for (precision.tf32=on)")
+    if dtype != "fp32":
+        return Decision("precision.tf32", "off", f"compute dtype is {dtype}: matmuls are not fp32")
+    p = p or machine.probe(device)
+    if "tf32" not in p.matmul_flops_per_s:
+        why = p.matmul_notes.get("tf32", "not measured by this cached probe: slipstream doctor --refresh")
+        return Decision("precision.tf32", "off", f"tf32: {why}")
+    pays, line = dtype_verdict(p, "tf32")
+    return Decision("precision.tf32", "on" if pays else "off", line)
+
+
 def decide_serve_quantize(device: torch.device | str, p: MachineProbe | None = None) -> Decision:
     """serve --quantize auto: bf16 weights where bf16 pays, else fp32 (int8 changes answers more
     and is left to an explicit choice checked with `quantize-eval`)."""
@@ -107,7 +136,7 @@ def describe(p: MachineProbe) -> list[str]:
         f"{p.fingerprint['threads']} threads · torch {p.fingerprint['torch']}"
         + (f" · {p.fingerprint['gpu']}" if "gpu" in p.fingerprint else ""),
     ]
-    for dtype in ("fp32", "bf16", "fp16"):
+    for dtype in ("fp32", "bf16", "fp16", *(("tf32",) if "tf32" in p.matmul_flops_per_s else ())):
         lines.append(dtype_verdict(p, dtype)[1])
     for kind, bps in p.copy_bytes_per_s.items():
         lines.append(f"copy {kind}: {bps / 1e9:.1f} GB/s")
@@ -128,6 +157,7 @@ __all__ = [
     "bf16_pays",
     "decide_precision",
     "decide_serve_quantize",
+    "decide_tf32",
     "describe",
     "dtype_verdict",
     "too_slow",

@@ -59,7 +59,8 @@ BUSY_LOAD_PER_THREAD = 0.5
 # Environment variables that change which CPU kernels torch and oneDNN run (and so the figures).
 _KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "OMP_NUM_THREADS")
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}
+# tf32: fp32 tensors with torch.backends.cuda.matmul.allow_tf32 on (CUDA only)
 
 
 # ----------------------------------------------------------------------------- what is measured
@@ -253,38 +254,52 @@ def measure_matmul(
         if why:
             notes[name] = why
             continue
-        table: dict[str, float] = {}
-        for n in sizes:
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
-            _sync(device)
-            t0 = time.perf_counter()
-            a @ b
-            _sync(device)
-            first = time.perf_counter() - t0
-            calls, t0 = 0, time.perf_counter()
-            while True:
-                a @ b
-                calls += 1
-                if calls % 4 == 0 or first > MATMUL_SECONDS / 4:
-                    _sync(device)
-                    if time.perf_counter() - t0 >= MATMUL_SECONDS:
-                        break
-            _sync(device)
-            per_call = (time.perf_counter() - t0) / calls
-            table[str(n)] = 2 * n**3 / per_call
-            # The next size costs ~(n'/n)^3 more per call. Both the warm-up and the timed calls must
-            # predict a slow one: a single stall of a busy host (spinning OpenMP threads on shared
-            # cores) must not cut the larger sizes of a fast dtype.
-            grow = (sizes[sizes.index(n) + 1] / n) ** 3 if n != sizes[-1] else 1.0
-            if min(first, per_call) * grow > SLOW_CALL_S:
-                notes[name] = (
-                    f"{per_call:.3f} s per {n}^2 matmul: larger sizes not measured "
-                    f"(~{per_call * grow:.1f} s per call predicted)"
-                )
-                break
+        if name == "tf32" and device.type != "cuda":
+            notes[name] = "TF32 is a CUDA tensor-core mode"
+            continue
+        tf32_before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"  # fp32 is measured as plain fp32
+        try:
+            table = _time_sizes(device, dtype, sizes, name, notes)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32_before
         flops[name] = table
     return flops, notes
+
+
+def _time_sizes(device, dtype, sizes, name, notes) -> dict[str, float]:
+    """FLOP/s per size for one dtype; a size predicted too slow ends the table (with a note)."""
+    table: dict[str, float] = {}
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        first = time.perf_counter() - t0
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            calls += 1
+            if calls % 4 == 0 or first > MATMUL_SECONDS / 4:
+                _sync(device)
+                if time.perf_counter() - t0 >= MATMUL_SECONDS:
+                    break
+        _sync(device)
+        per_call = (time.perf_counter() - t0) / calls
+        table[str(n)] = 2 * n**3 / per_call
+        # The next size costs ~(n'/n)^3 more per call. Both the warm-up and the timed calls must
+        # predict a slow one: a single stall of a busy host (spinning OpenMP threads on shared
+        # cores) must not cut the larger sizes of a fast dtype.
+        grow = (sizes[sizes.index(n) + 1] / n) ** 3 if n != sizes[-1] else 1.0
+        if min(first, per_call) * grow > SLOW_CALL_S:
+            notes[name] = (
+                f"{per_call:.3f} s per {n}^2 matmul: larger sizes not measured "
+                f"(~{per_call * grow:.1f} s per call predicted)"
+            )
+            break
+    return table
 
 
 def measure_copy(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3) -> dict[str, float]:
@@ -390,7 +405,7 @@ def probe(
     dirty = False
     if result is None:
         t0 = time.perf_counter()
-        dtypes = ("fp32", "bf16", "fp16")
+        dtypes = ("fp32", "bf16", "fp16") + (("tf32",) if device.type == "cuda" else ())
         flops, notes = measure_matmul(device, dtypes, matmul_sizes(device))
         if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
             notes.setdefault("fp8", "fp8 runs through torchao's float8 training layers; see precision")

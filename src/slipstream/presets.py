@@ -11,7 +11,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from .recipe import KernelsConfig, PrecisionConfig, Recipe, RecipeError, ShapesConfig, load_recipe
+from .recipe import (
+    CompileConfig,
+    KernelsConfig,
+    PrecisionConfig,
+    Recipe,
+    RecipeError,
+    ShapesConfig,
+    load_recipe,
+)
 
 PRESETS: dict[str, Callable[[], Recipe]] = {}
 
@@ -123,11 +131,13 @@ def full() -> Recipe:
 @register_preset("auto")
 def auto() -> Recipe:
     """Every choice decided on this machine and model: shapes by timing bucket against pack on the
-    model, precision by the machine probe, fused kernels where they pay. Each decision and its
-    reason land in the metrics (`decisions`)."""
+    model, precision (and TF32 for fp32 matmuls) by the machine probe, each fused kernel by timing it
+    against the model's own module, compile by timing a step (CUDA), tokens per batch by the knee
+    of measured throughput (CUDA). Each decision and its reason land in the metrics (`decisions`)."""
     return Recipe(
         name="auto",
         shapes=ShapesConfig(mode="auto"),
-        precision=PrecisionConfig(dtype="auto"),
+        precision=PrecisionConfig(dtype="auto", tf32="auto"),
         kernels=KernelsConfig(ops="auto"),
+        compile=CompileConfig(mode="auto"),
     )

@@ -81,6 +81,12 @@ class PrecisionConfig:
     the figures are recorded as the reason. fp8 trains Linear layers through torchao on GPUs of
     compute capability >= 8.9."""
 
+    tf32: Literal["auto", "on", "off"] = "off"
+    """fp32 matmuls and convolutions on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32
+    accumulation). off (torch's default) keeps plain fp32, as a plain loop computes; on turns it on
+    (CUDA only); auto turns it on where the machine probe measured TF32 matmuls >= 1.15x fp32's.
+    It changes numerics: optimize tries it as a candidate judged by the parity guard."""
+
     loss_scale_init: float = 65536.0
     """Starting loss scale for fp16 dynamic loss scaling (ignored by other dtypes)."""
 
@@ -90,8 +96,11 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class CompileConfig:
-    mode: Literal["off", "default", "max-autotune", "reduce-overhead"] = "off"
-    """torch.compile mode, or off for eager."""
+    mode: Literal["off", "default", "max-autotune", "reduce-overhead", "auto"] = "off"
+    """torch.compile mode, or off for eager. auto (CUDA): one eager step is timed and its GPU busy
+    share profiled; a launch-bound step (busy < 80%) tries reduce-overhead (CUDA graphs), a busy one
+    default, and the compiled model is kept only if its step is >= 1.05x faster (the figures are the
+    recorded reason). On a CPU auto is off (compile's cost there is for optimize to weigh)."""
 
     scope: Literal["model", "blocks"] = "model"
     """Compile the whole model, or each transformer block on its own (regional: faster compile)."""
@@ -292,7 +301,10 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"{path}={value!r} must be an integer")
+            hint = " (write it without a decimal point or exponent, e.g. 1024)" if isinstance(value, float) else ""
+            raise RecipeError(f"{path}={value!r} must be an integer{hint}")
+        if not -(2**63) <= value < 2**63:  # every count ends up in a tensor size or an int64
+            raise RecipeError(f"{path}={value!r} is out of range; use a value below 2**63")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -307,9 +319,13 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
     return value
 
 
+MAX_ROW_TOKENS = 1 << 24
+"""Upper bound of shapes.max_len (16,777,216 tokens per row): above it a value is a typo, and the
+built-in GPT's position table alone would not fit in memory."""
+
 _RANGES: dict[str, tuple[float, float | None]] = {
-    "shapes.max_len": (2, None),
-    "shapes.tokens_per_batch": (1, None),
+    "shapes.max_len": (2, MAX_ROW_TOKENS),
+    "shapes.tokens_per_batch": (1, 1 << 40),
     "shapes.multiple_of": (1, None),
     "shapes.shape_cost_tokens": (0, None),
     "shapes.pack_window": (1, None),
@@ -330,6 +346,24 @@ _RANGES: dict[str, tuple[float, float | None]] = {
 }
 
 
+def _check_range(path: str, value: Any) -> None:
+    if path in _RANGES:
+        lo, hi = _RANGES[path]
+        if value < lo or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise RecipeError(f"{path}={value!r} is out of range; use a value {bound}")
+
+
+def check_field(path: str, value: Any) -> Any:
+    """`value` for the recipe field `path` ('section.field'), checked as a recipe checks it (type,
+    then range); returns it. For arguments that override a field (prepare_loader's max_len)."""
+    section, name = path.split(".")
+    tp = typing.get_type_hints(typing.get_type_hints(Recipe)[section])[name]
+    checked = _check_value(path, tp, value)
+    _check_range(path, checked)
+    return checked
+
+
 def validate(recipe: Recipe) -> None:
     hints = typing.get_type_hints(Recipe)
     for f in fields(Recipe):
@@ -346,11 +380,7 @@ def validate(recipe: Recipe) -> None:
             checked = _check_value(path, section_hints[sf.name], getattr(value, sf.name))
             if checked != getattr(value, sf.name) or type(checked) is not type(getattr(value, sf.name)):
                 object.__setattr__(value, sf.name, checked)
-            if path in _RANGES:
-                lo, hi = _RANGES[path]
-                if checked < lo or (hi is not None and checked > hi):
-                    bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-                    raise RecipeError(f"{path}={checked!r} is out of range; use a value {bound}")
+            _check_range(path, checked)
     k = recipe.shapes.buckets
     if isinstance(k, int) and k < 1:
         raise RecipeError(f"shapes.buckets={k!r} must be >= 1 or 'auto'")

@@ -37,7 +37,7 @@ from .metrics import MetricsSummary, MetricsTracker
 from .models.convention import SHIFTED, BatchConvention, detect_convention, is_hf_model, loss_of
 from .optimizers import Params, build_optimizer, resolve_optimizer_impl
 from .precision import LossScaler, resolve_precision, resolve_precision_decision
-from .recipe import KernelsConfig, Recipe, RecipeError
+from .recipe import KernelsConfig, Recipe, RecipeError, check_field
 from .runtime import resolve_device, seed_everything
 from .samples import SampleLoader
 from .shapes.loader import ShapedLoader
@@ -103,6 +103,20 @@ def _resumed_kernels(decisions: dict[str, dict[str, str]]) -> dict[str, str] | N
     return {} if choice == "none" else dict(item.split("=", 1) for item in choice.split(",") if "=" in item)
 
 
+def _vocab_size(model: nn.Module | None) -> int | None:
+    """Rows of the prepared model's input embedding (Hugging Face's get_input_embeddings, the
+    built-in GPT's wte), so the loader refuses ids it cannot look up; None when unknown."""
+    if model is None:
+        return None
+    model = getattr(model, "_orig_mod", model)
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else getattr(model, "wte", model)
+    except NotImplementedError:  # a transformers model class without an input embedding
+        return None
+    return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else None
+
+
 class Session:
     def __init__(
         self,
@@ -143,6 +157,7 @@ class Session:
         self._restore_process_state = seed_everything(
             self.recipe.runtime.seed, self.recipe.runtime.deterministic
         )
+        self._apply_tf32(earlier)
         self.tracker = MetricsTracker(self.device, self.precision)
         self.decisions: dict[str, dict[str, str]] = {
             k: v for k, v in earlier.items() if k != "precision.dtype"
@@ -153,6 +168,8 @@ class Session:
         if self.recipe.precision.dtype == "auto":
             self.tracker.extra["precision_auto_choice"] = self.precision
             self.record(decision)
+        if self.recipe.precision.tf32 != "off":
+            self.record(self._tf32)
         self.scaler: LossScaler | None = None
         if self.precision == "fp16":
             self.scaler = LossScaler(self.device, self.recipe.precision)
@@ -173,6 +190,31 @@ class Session:
         """The prepared model's batch convention: what prepare_loader's batches look like."""
         self._packing_problem: str | None | bool = False  # False: not checked yet
         self.step_count = 0
+
+    def _apply_tf32(self, earlier: dict[str, dict[str, str]]) -> None:
+        """precision.tf32: decided once (a resumed run keeps it), switched on for this session and
+        put back by close()."""
+        from .decisions import decide_tf32
+
+        requested = self.recipe.precision.tf32
+        kept = earlier.get("precision.tf32")
+        decision = (
+            Decision("precision.tf32", kept["choice"], f"kept from the resumed run: {kept['reason']}")
+            if kept and requested == "auto"
+            else decide_tf32(requested, self.device, self.precision)
+        )
+        self._tf32 = agree(decision, self.dist)
+        if self._tf32.choice != "on":
+            return
+        before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        restore_seeded = self._restore_process_state
+
+        def restore() -> None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+            restore_seeded()
+
+        self._restore_process_state = restore
 
     def close(self) -> None:
         """Put back the process-wide switches this session changed (deterministic algorithms,
@@ -214,6 +256,11 @@ class Session:
         wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
         if wrapped:
             self.tracker.extra["checkpointed_blocks"] = wrapped
+        if cfg.mode == "auto":
+            if "compile.mode" not in self.decisions:  # a resumed run keeps its choice
+                self.record(agree(self._decide_compile(model), self.dist))
+            cfg = replace(cfg, mode=self.decisions["compile.mode"]["choice"])
+            self.recipe = replace(self.recipe, compile=cfg)
         model = apply_compile(model, cfg)
         model = apply_cudagraphs(model, cfg, self.device)
         self.tracker.extra["compiled"] = cfg.mode != "off"
@@ -318,14 +365,11 @@ class Session:
         from dataclasses import replace
 
         cfg = self.recipe.shapes
+        # Arguments that override recipe fields are checked as the fields are (type and range).
         if tokens_per_batch is not None:
-            if tokens_per_batch < 1:
-                raise RecipeError(f"tokens_per_batch={tokens_per_batch} must be at least 1")
-            cfg = replace(cfg, tokens_per_batch=tokens_per_batch)
+            cfg = replace(cfg, tokens_per_batch=check_field("shapes.tokens_per_batch", tokens_per_batch))
         if max_len is not None:
-            if max_len < 2:  # as the recipe's shapes.max_len: one input and its label at least
-                raise RecipeError(f"max_len={max_len} must be at least 2")
-            cfg = replace(cfg, max_len=max_len)
+            cfg = replace(cfg, max_len=check_field("shapes.max_len", max_len))
         if cfg.mode == "pack":
             self._check_packing(sequences, cfg.max_len)
         elif cfg.mode == "auto":
@@ -357,6 +401,7 @@ class Session:
             on_batch=None if flow.prefetch else self.tracker.on_batch,
             convention=self.convention,
             group=group,
+            vocab_size=_vocab_size(self.local_model),
         )
         self.tracker.extra["shape_policy"] = loader.policy.name
         self.tracker.extra["overflowed_sequences"] = loader.overflow.overflowed
@@ -441,6 +486,36 @@ class Session:
             choice = find_knee(measure, cfg.tokens_per_batch, memory_bytes=memory)
         return Decision("shapes.tokens_per_batch", str(choice.tokens), choice.reason)
 
+    def _decide_compile(self, model: nn.Module) -> Decision:
+        """compile.mode=auto: on CUDA a step timed eager and compiled (slipstream.compile_choice);
+        on a CPU off, unmeasured: compiling costs tens of seconds per shape there, which only a
+        run's length can repay (`slipstream optimize`'s compile stage weighs it)."""
+        if self.device.type != "cuda":
+            return Decision(
+                "compile.mode", "off", f"{self.device.type}: not measured (optimize's compile stage times it)"
+            )
+        from .compile_choice import measure_compile
+        from .kernels.chooser import model_widths
+
+        shapes = self.recipe.shapes
+        row = min(shapes.max_len, 1024)
+        rows = max(1, shapes.tokens_per_batch // row)
+        vocab = model_widths(model, rows).vocab
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (rows, row), generator=gen).to(self.device)
+        batch = {"input_ids": ids, "labels": ids}
+
+        def step_of(m: nn.Module):
+            def step() -> None:
+                with self.autocast():
+                    loss = loss_of(m(**batch))
+                loss.backward()
+
+            return step
+
+        with torch.random.fork_rng(devices=[self.device]):
+            return measure_compile(model, step_of, self.device)
+
     def _kernel_chooser(self):
         """kernels.ops=auto: time at the recipe's tokens per batch in the compute dtype, knowing
         whether the whole model will be compiled; a resumed run installs its earlier choices."""
@@ -454,7 +529,7 @@ class Session:
         return KernelChooser(
             rows=self.recipe.shapes.tokens_per_batch,
             dtype=dtype,
-            compiled_model=self.recipe.compile.mode != "off",
+            compiled_model=self.recipe.compile.mode not in ("off", "auto"),
             fixed=_resumed_kernels(self.decisions),
             agree=lambda verdicts: agree(verdicts, self.dist),
         )
