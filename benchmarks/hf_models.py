@@ -31,3 +31,16 @@ def llama_small():
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM(cfg)
+
+
+def llama_mid():
+    """Llama-style, 12 layers, d=768, GQA 12/4 heads: ~88M parameters (the first H200 run's user
+    model: shared/gpu/h200-2026-12-04)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)

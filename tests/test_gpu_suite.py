@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ["probe", "kernels", "cudagraphs", "prefetch", "precision", "mfu", "serve", "tests"]
+SECTIONS = [
+    "probe", "kernels", "cudagraphs", "prefetch", "precision", "mfu", "kernel_choice", "llama", "serve", "tests",
+]  # fmt: skip
 
 
 def test_cpu_smoke_runs_every_section_and_writes_one_json(tmp_path):
@@ -42,8 +44,25 @@ def test_cpu_smoke_runs_every_section_and_writes_one_json(tmp_path):
     precision = sections["precision"]["rows"]
     assert precision["fp32"]["status"] == "ok" and precision["fp32"]["last_loss"] > 0
     assert precision["fp8"]["status"] == "skipped" and "CUDA" in precision["fp8"]["reason"]
-    (mfu,) = sections["mfu"]["rows"]
-    assert 0 < mfu["mfu_6n"] and mfu["params"] > 0
+    mfu = sections["mfu"]["rows"]
+    assert [r["recipe"].split("+")[0] for r in mfu] == ["baseline"] * 3 + ["auto"]  # 3 batch sizes, then auto
+    assert all(0 < r["mfu_6n"] and r["params"] > 0 for r in mfu), mfu
+    assert "shapes.mode" in mfu[-1]["decisions"] and "compile.mode" in mfu[-1]["decisions"]
+    choice = sections["kernel_choice"]["rows"]
+    assert {r["op"] for r in choice} == {
+        "layer_norm",
+        "gelu_tanh",
+        "cross_entropy",
+        "linear_cross_entropy",
+        "rms_norm",
+        "swiglu",
+    }
+    assert all("keep" in r["ms"] and "CUDA" in r["not_timed"]["triton"] for r in choice)
+    llama = sections["llama"]
+    assert "not searched" in llama["batch_search"]["reason"]
+    assert llama["bench"]["status"] == "skipped"  # smoke: the commands are built, not run
+    assert "--set shapes.tokens_per_batch=1024" in llama["commands"]["bench"]
+    assert "hf-trainer-flat" in llama["commands"]["bench"] and "--budget 3m" in llama["commands"]["optimize"]
     serve = sections["serve"]
     assert serve["eager"]["status"] == "ok" and serve["eager"]["requests_per_s"] > 0
     assert serve["compiled"]["status"] == "skipped" and "needs CUDA" in serve["compiled"]["reason"]
