@@ -182,6 +182,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             memory="skip" if args.no_memory else "auto",
             parity_floor=args.parity_floor,
             noise_seeds=args.noise_seeds,
+            paired=not args.unpaired,
             match_steps=not args.no_match_steps,
             min_dtype_speed=min_dtype_speed,
             max_round_s=args.max_round_s,
@@ -390,7 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--noise-seeds",
         type=int,
         default=2,
-        help="extra runs of the reference with other seeds; their spread is the parity band (default: 2)",
+        help="null re-runs of the reference (paired: another document order inside each window, same "
+        "init; --unpaired: other seeds); their spread is the parity band (default: 2)",
+    )
+    p.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="the seed-band design: contenders keep their own init and data order (no pairing)",
     )
     p.add_argument(
         "--parity-floor",

@@ -1,13 +1,21 @@
 """The parity guard: does a faster candidate still learn what the reference learns?
 
-One guard for bench, optimize and precision. "The same training" is judged against the noise of
-the training itself: the reference re-run with other seeds (another init and data order) lands
-some distance away, and a candidate closer than that has not changed what is learned. Every
-comparison is made at equal real tokens and equal real tokens per optimizer step (bench and
-optimize rescale each contender's batches for that; see slipstream.bench.runner.matched_loader).
+One guard for bench, optimize and precision. Every comparison is made at equal real tokens and
+equal real tokens per optimizer step (bench and optimize rescale each contender's batches for
+that; see slipstream.bench.runner.matched_loader).
 
-- `noise_band(values)`: the spread of the reference's seed re-runs (final losses).
-- `judge_parity(val, ref, band, floor)`: the verdict for one validation loss.
+The paired guard (bench and optimize, issue 24): every contender starts from the reference's
+initial weights and consumes the same documents window by window (slipstream.bench.contenders.
+DocumentWindows), so what is left between two runs of harmless recipes is what a harmless change
+perturbs: the order and batching of the documents inside each window, and floating-point
+reassociation. The null band is measured from exactly that: the reference re-run with another
+order inside the same windows (same init, same documents). `null_band` turns those runs into an
+allowed gap and the smallest regression the run can detect; `judge_paired` gives the verdict, and
+says "unjudged" when the run cannot see a `PARITY_RESOLUTION` (1%) regression.
+
+- `null_band(ref_val, null_vals, floor)`: the band, its spread and its detectable effect.
+- `judge_paired(val, ref_val, band)`: pass / fail / unjudged for one validation loss.
+- `noise_band(values)`, `judge_parity(val, ref, band, floor)`: the seed-band rule (`paired=False`).
 - `parity(candidate_curve, reference_curve, noise_curves=...)`: the same rule on per-step training
   loss curves (precision's use), with a fixed tolerance only when no re-runs are given.
 """
@@ -43,6 +51,127 @@ def judge_parity(
         return "fail", math.inf, allowed
     gap = abs(val - ref_val) / ref_val if ref_val else 0.0
     return ("pass" if gap <= allowed else "fail"), gap, allowed
+
+
+PARITY_RESOLUTION = 0.01
+"""A verdict is "pass" only when the run would catch a regression this large (relative val loss)
+with ~95% probability; otherwise it is "unjudged" (issue 24: the guard must see a 1% regression)."""
+
+NULL_CONFIDENCE = 0.99
+"""Two-sided confidence of the allowed gap: a harmless change as noisy as the null re-runs passes
+99 times in 100 (at 0.95, 20 harmless runs would all pass only a third of the time)."""
+
+POWER_Z = 1.645
+"""One-sided 95% normal quantile: a regression of threshold + POWER_Z x sigma_diff is caught in 95%
+of runs (the observed paired gap is the regression plus null noise of sd sigma_diff)."""
+
+_T_995 = {1: 63.657, 2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355,
+          9: 3.250, 10: 3.169, 12: 3.055, 15: 2.947, 20: 2.845, 30: 2.750}  # fmt: skip
+
+
+def t_quantile_995(df: int) -> float:
+    """Student's t 0.995 quantile (two-sided 99%) for `df` degrees of freedom: the factor that
+    accounts for a spread estimated from a few runs (df=2: 9.92, vs 2.58 for a known sigma)."""
+    if df < 1:
+        raise ValueError(f"df={df} must be >= 1")
+    known = [k for k in _T_995 if k <= df]
+    return _T_995[max(known)] if df <= 30 else 2.576 + 2.0 / df  # conservative between table rows
+
+
+@dataclass(frozen=True)
+class NullBand:
+    """What a harmless change does to the validation loss in this run, and what that lets through."""
+
+    source: str
+    """Which runs the spread comes from, in words."""
+    val_losses: tuple[float, ...]
+    """The reference's validation loss, then each null re-run's."""
+    sigma: float
+    """Relative standard deviation of one run's validation loss over the null runs (ddof=1)."""
+    sigma_diff: float
+    """sqrt(2) x sigma: the spread of the paired gap between two runs that differ harmlessly."""
+    threshold: float
+    """Allowed |val - ref| / ref: max(t(0.995, df) x sigma_diff, floor)."""
+    detectable: float
+    """Smallest regression caught in ~95% of runs: threshold + 1.645 x sigma_diff (inf without re-runs)."""
+    df: int
+    floor: float
+    resolution: float = PARITY_RESOLUTION
+    """A pass needs detectable <= resolution; above it the verdict is "unjudged"."""
+
+    @property
+    def spread(self) -> float:
+        """Largest relative gap between any two of the runs (the seed band's arithmetic)."""
+        return noise_band(self.val_losses)
+
+    @property
+    def judged(self) -> bool:
+        return self.detectable <= self.resolution
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "source": self.source,
+            "val_losses": list(self.val_losses),
+            "sigma": self.sigma,
+            "sigma_diff": self.sigma_diff,
+            "threshold": self.threshold,
+            "detectable_effect": self.detectable if math.isfinite(self.detectable) else None,
+            "df": self.df,
+            "floor": self.floor,
+            "resolution": self.resolution,
+        }
+
+
+NULL_SOURCE = "the reference re-run with another order of the same documents inside each window (same init)"
+
+
+def null_band(
+    ref_val: float,
+    null_vals: Sequence[float],
+    floor: float = DEFAULT_PARITY_FLOOR,
+    *,
+    resolution: float = PARITY_RESOLUTION,
+    source: str = NULL_SOURCE,
+) -> NullBand:
+    """The paired null band from the reference and its harmless re-runs (K >= 1 of them).
+
+    sigma is the sample standard deviation of the K + 1 validation losses over their mean (df = K);
+    a contender's paired gap to the reference is then the difference of two such runs, of spread
+    sigma_diff = sqrt(2) sigma. The allowed gap is t(0.995, K) sigma_diff (never below `floor`) and
+    the detectable effect threshold + 1.645 sigma_diff. Without re-runs nothing is known: the
+    threshold is the floor and the detectable effect infinite (every pass is "unjudged")."""
+    vals = [float(ref_val), *(float(v) for v in null_vals)]
+    finite = [v for v in vals if math.isfinite(v)]
+    if len(finite) < 2 or not math.isfinite(ref_val):
+        return NullBand(source, tuple(vals), math.nan, math.nan, floor, math.inf, 0, floor, resolution)
+    mean = sum(finite) / len(finite)
+    sigma = math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1)) / mean
+    sigma_diff = math.sqrt(2.0) * sigma
+    df = len(finite) - 1
+    threshold = max(t_quantile_995(df) * sigma_diff, floor)
+    detectable = threshold + POWER_Z * sigma_diff
+    return NullBand(source, tuple(vals), sigma, sigma_diff, threshold, detectable, df, floor, resolution)
+
+
+def judge_paired(val: float, ref_val: float, band: NullBand) -> tuple[str, float]:
+    """(verdict, gap) for a contender paired with the reference: "fail" when |gap| exceeds the band's
+    threshold (or the loss is not finite) — a detected difference is a difference however weak the
+    run; "pass" within it when the run could see a `band.resolution` regression; else "unjudged"."""
+    if not math.isfinite(val):
+        return "fail", math.inf
+    gap = abs(val - ref_val) / ref_val if ref_val else 0.0
+    if gap > band.threshold:
+        return "fail", gap
+    return ("pass" if band.judged else "unjudged"), gap
+
+
+def unjudged_note(name: str, band: NullBand) -> str:
+    """The words bench and optimize print for an unjudged verdict."""
+    catch = f">= {band.detectable:.1%}" if math.isfinite(band.detectable) else "nothing (no null re-runs)"
+    return (
+        f"{name}: parity unjudged: would catch {catch}, not a {band.resolution:.0%} regression "
+        "(more null re-runs, --noise-seeds, narrow it)"
+    )
 
 
 DEFAULT_PARITY_TOLERANCE = 0.02
@@ -154,6 +283,12 @@ def parity(
 
 
 __all__ = [
+    "NULL_SOURCE",
+    "PARITY_RESOLUTION",
+    "NullBand",
+    "judge_paired",
+    "null_band",
+    "unjudged_note",
     "DEFAULT_PARITY_FLOOR",
     "DEFAULT_PARITY_TOLERANCE",
     "DEFAULT_PARITY_WINDOW",

@@ -19,8 +19,12 @@ def _contender(name, tps, iqr, val):
     return SimpleNamespace(name=name, real_tokens_per_s=tps, real_tokens_per_s_iqr=iqr, val_loss=val)
 
 
-def fake_bench(figures, calls):
-    """run_bench stand-in: figures[last override of the spec, or 'base'] = (tok/s, iqr, val loss)."""
+TIGHT_NULL = [3.0, 3.0001, 2.9999, 3.0, 3.0001]  # sigma 0.004%: band = the 0.2% floor, detects 0.21%
+
+
+def fake_bench(figures, calls, null_losses=TIGHT_NULL):
+    """run_bench stand-in: figures[last override of the spec, or 'base'] = (tok/s, iqr, val loss);
+    the reference's null re-runs land at `null_losses`."""
 
     def run(workload, specs, *, noise_seeds=0, **kwargs):
         calls.append(list(specs))
@@ -36,7 +40,7 @@ def fake_bench(figures, calls):
             method={
                 "real_tokens_per_step": 100.0,
                 "round_real_tokens": 200,
-                "parity_noise_val_losses": [3.00, 3.03, 2.97][: noise_seeds + 1],
+                "parity_noise_val_losses": null_losses[: noise_seeds + 1],
             },
         )
 
@@ -49,14 +53,16 @@ def test_keeps_only_faster_beyond_noise_and_within_the_seed_band(monkeypatch, ma
     figures = {
         "base": (100.0, 2.0, 3.00),
         "shapes.mode=pad_batch": (99.0, 2.0, 3.00),  # slower
-        "precision.dtype=bf16": (152.0, 3.0, 3.05),  # 1.3% over bucket: within the 2% noise floor
-        "shapes.mode=bucket": (150.0, 3.0, 3.05),  # faster, gap 1.7% inside the 2% band
+        "precision.dtype=bf16": (152.0, 3.0, 3.003),  # 1.3% over bucket: within the 2% noise floor
+        "shapes.mode=bucket": (150.0, 3.0, 3.003),  # faster, gap 0.1% inside the 0.2% band
         "shapes.mode=pack": (170.0, 3.0, 3.30),  # fastest, but 10% off: fails parity
     }
     monkeypatch.setattr(search, "run_bench", fake_bench(figures, calls))
-    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes", "precision"))
+    res = search.optimize(
+        "gpt-stdlib", size="tiny", budget_s=100, stages=("shapes", "precision"), noise_seeds=4
+    )
     assert res.best_overrides == ["shapes.mode=bucket"] and res.best_spec == "baseline+shapes.mode=bucket"
-    assert res.parity_band == pytest.approx(0.02)
+    assert res.parity_band == pytest.approx(0.002) and res.parity_detectable_effect < 0.01
     verdicts = {c.overrides[0]: c.verdict for c in res.candidates}
     assert verdicts["shapes.mode=bucket"].startswith("kept")
     assert verdicts["shapes.mode=pad_batch"] == "rejected: slower (0.990x)"
@@ -66,6 +72,20 @@ def test_keeps_only_faster_beyond_noise_and_within_the_seed_band(monkeypatch, ma
     assert calls[1][0] == "baseline" and len(calls) == 3  # reference, shapes, precision (bf16 only)
     assert calls[2] == ["baseline+shapes.mode=bucket", "baseline+shapes.mode=bucket+precision.dtype=bf16"]
     assert "--recipes baseline,baseline+shapes.mode=bucket" in res.bench_command
+
+
+def test_an_unjudged_verdict_is_never_kept(monkeypatch, machine_like):
+    machine_like(bf16=0.5)
+    calls = []
+    figures = {"base": (100.0, 1.0, 3.0), "shapes.mode=bucket": (150.0, 1.0, 3.001)}
+    wide = [3.0, 3.03, 2.97]  # sigma 1% over 2 re-runs: the run would catch only >= ~16%
+    monkeypatch.setattr(search, "run_bench", fake_bench(figures, calls, wide))
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes",))
+    bucket = next(c for c in res.candidates if c.overrides == ["shapes.mode=bucket"])
+    assert bucket.parity == "unjudged" and bucket.verdict.startswith(
+        "rejected: parity unjudged: would catch >="
+    )
+    assert bucket.parity_detectable_effect > 0.1 and res.best_spec == "baseline"
 
 
 def test_a_stage_that_does_not_fit_the_budget_is_skipped_and_says_so(monkeypatch, machine_like):

@@ -1,6 +1,7 @@
 """What every contender in a benchmark is: the interface the runner drives (Contender, LoopContender),
-the stats of a round, the device sync that ends a timed region, and the token-matched loader that
-gives every contender the same real tokens per step."""
+the stats of a round, the device sync that ends a timed region, the token-matched loader that
+gives every contender the same real tokens per step, and the document windows that pair every
+contender's data with the reference's (DocumentWindows, WindowedLoader)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..shapes.loader import Batch
@@ -139,3 +141,85 @@ def matched_loader(
         tokens_per_batch = scaled
         loader = build(tokens_per_batch)
     return loader
+
+
+class DocumentWindows:
+    """The documents a paired run consumes, window by window, the same for every contender.
+
+    The corpus is shuffled once with the data seed (a new permutation each epoch) and cut into
+    consecutive windows of about `window_tokens` training positions (each document counted at most
+    `max_len`). Every contender trains on window 0, then window 1, ...: a shape policy decides how
+    a window's documents are batched and in which order, never which documents a step range sees.
+    `order(w, order_seed)` is window w's documents; order_seed 0 keeps the shuffled order, another
+    seed permutes them inside the window (the null re-runs' only difference from the reference)."""
+
+    def __init__(self, lengths: np.ndarray, max_len: int, window_tokens: int, seed: int):
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens={window_tokens} must be >= 1")
+        self.positions = np.minimum(np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0), max_len)
+        self.window_tokens = window_tokens
+        self.seed = seed
+        self._windows: list[np.ndarray] = []
+        self._epoch = 0
+
+    def _cut_epoch(self) -> None:
+        order = np.random.default_rng([self.seed, self._epoch]).permutation(len(self.positions))
+        order = order[self.positions[order] > 0]
+        ends = np.cumsum(self.positions[order])
+        cuts = np.searchsorted(ends, np.arange(self.window_tokens, ends[-1], self.window_tokens), "right")
+        self._windows += [w for w in np.split(order, cuts + 1) if len(w)]
+        self._epoch += 1
+
+    def order(self, w: int, order_seed: int = 0) -> np.ndarray:
+        while len(self._windows) <= w:
+            self._cut_epoch()
+        docs = self._windows[w]
+        if order_seed:
+            docs = np.random.default_rng([self.seed, order_seed, w]).permutation(docs)
+        return docs
+
+
+class WindowedLoader:
+    """One contender's loader over DocumentWindows: window w's documents batched by the contender's
+    own shape policy (`build(sequences, lengths)`, a ShapedLoader over just those documents), one
+    epoch of it, then window w + 1. `plans(epoch=0)` are the first `plan_windows` windows' (what
+    matched_loader measures real tokens per step on)."""
+
+    def __init__(
+        self,
+        build: Callable[[list, np.ndarray], Any],
+        sequences,
+        lengths: np.ndarray,
+        windows: DocumentWindows,
+        *,
+        order_seed: int = 0,
+        plan_windows: int = 4,
+    ):
+        self.build, self.sequences, self.lengths = build, sequences, np.asarray(lengths)
+        self.windows, self.order_seed, self.plan_windows = windows, order_seed, plan_windows
+        self._cache: dict[int, Any] = {}
+        self.first = self.window_loader(0)  # fails here on a bad shape setting, like a ShapedLoader
+
+    def window_loader(self, w: int):
+        if w not in self._cache:
+            docs = self.windows.order(w, self.order_seed)
+            self._cache = {k: v for k, v in self._cache.items() if k >= w - 1}  # keep memory flat
+            self._cache[w] = self.build([self.sequences[int(i)] for i in docs], self.lengths[docs])
+        return self._cache[w]
+
+    def plans(self, epoch: int = 0) -> list:
+        return [p for w in range(self.plan_windows) for p in self.window_loader(w).plans(epoch=0)]
+
+    def predicted_tokens(self, plan) -> int:
+        return self.first.predicted_tokens(plan)
+
+    def __getattr__(self, name: str) -> Any:  # cfg, policy, convention, ...: the first window's
+        if name == "first":
+            raise AttributeError(name)
+        return getattr(self.first, name)
+
+    def forever(self) -> Iterator[Batch]:
+        w = 0
+        while True:
+            yield from self.window_loader(w)
+            w += 1

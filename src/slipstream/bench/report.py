@@ -69,7 +69,16 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     the peers (when an `auto` contender ran)."""
     m = result["method"]
     out = []
-    if "parity_noise_band" in m:
+    if m.get("parity_design") == "paired":
+        losses = ", ".join(f"{v:.4f}" for v in m["parity_noise_val_losses"])
+        detect = m.get("parity_detectable_effect")
+        out.append(
+            f"parity (paired: same init, same document windows): pass when the val-loss gap is <= "
+            f"{m['parity_tolerance']:.2%} and the run would catch a {m['parity_resolution']:.0%} regression; "
+            f"this one would catch >= {'nothing (no null re-runs)' if detect is None else f'{detect:.2%}'} "
+            f"(null band from {m['parity_band_source']}: val losses {losses})"
+        )
+    elif "parity_noise_band" in m:
         losses = ", ".join(f"{v:.4f}" for v in m["parity_noise_val_losses"])
         out.append(
             f"parity: pass when the val-loss gap is <= {m['parity_tolerance']:.2%} (seed noise band "

@@ -22,18 +22,28 @@ import torch
 
 from ..metrics import dynamo_graph_count
 from ..models import loss_of
-from ..parity import judge_parity, noise_band
+from ..parity import (
+    DEFAULT_PARITY_TOLERANCE,
+    PARITY_RESOLUTION,
+    NullBand,
+    judge_paired,
+    judge_parity,
+    noise_band,
+    null_band,
+    unjudged_note,
+)
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
 from ..runtime import resolve_device
 from ..session import Session
 from ..shapes.loader import Batch, ShapedLoader
-from ..train import evaluate
 from ..workloads import get_workload
 from .contenders import (
     Contender,
+    DocumentWindows,
     LoopContender,
     RoundStats,
+    WindowedLoader,
     matched_loader,
     real_tokens_per_step,
 )
@@ -69,7 +79,11 @@ class ContenderResult:
     parity_gap: float
     """Relative gap of the final validation loss to the reference (first) contender's."""
     parity: str
-    """"pass", "fail", or "reference"."""
+    """"pass", "fail", "unjudged" (the run could not see a 1% regression, or a round was cut), or
+    "reference"."""
+    parity_sampling_error: float | None
+    """Paired design: the standard error of the relative gap from which validation batches were
+    drawn (batch-clustered; None for the reference, unpaired runs and single-batch validation)."""
     mfu: float
     """Model FLOP/s over the peak matmul rate measured in this run: the model's own training FLOPs
     per token (`flops_per_token`, the built-in GPT's PaLM formula, attention term at the recipe's
@@ -100,6 +114,30 @@ class BenchResult:
         return json.loads(json.dumps(asdict(self)))
 
 
+@dataclass
+class Pairing:
+    """What a paired run shares: the document windows and the reference's initial weights."""
+
+    windows: DocumentWindows
+    init_state: dict[str, torch.Tensor] | None = None
+    """The reference model's weights before its first step (on the host); set by the first load."""
+
+    def load_init(self, model: torch.nn.Module) -> str:
+        """Give `model` the reference's initial weights (the first model seen becomes the reference);
+        a model whose parameters do not match (another max_len, another architecture) keeps its own
+        init, and the note says so."""
+        if self.init_state is None:
+            self.init_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            return "reference"
+        own = model.state_dict()
+        if own.keys() != self.init_state.keys() or any(
+            own[k].shape != v.shape for k, v in self.init_state.items()
+        ):
+            return "own (parameters differ from the reference's)"
+        model.load_state_dict(self.init_state)
+        return "reference"
+
+
 class RecipeContender(LoopContender):
     """A recipe run through Session: the way a slipstream user trains."""
 
@@ -114,20 +152,45 @@ class RecipeContender(LoopContender):
         *,
         real_tokens_per_step: float | None = None,
         name: str | None = None,
+        pairing: Pairing | None = None,
+        order_seed: int = 0,
     ):
+        """`pairing`: the run's shared document windows and the reference's initial weights (None:
+        this contender's own init and data order, the seed-band design). `order_seed` permutes the
+        documents inside each window (the null re-runs)."""
         self.name = name or spec
         self.recipe: Recipe = resolve_recipe(spec)
         self.spec = spec
         self.session = Session(self.recipe)
         self.precision = self.session.precision
         wl = get_workload(workload)
-        self.model = self.session.prepare_model(wl.model(size, self.recipe.shapes.max_len))
+        model = wl.model(size, self.recipe.shapes.max_len)
+        self.init_note = "own"
+        if pairing is not None:
+            self.init_note = pairing.load_init(model)
+        self.model = self.session.prepare_model(model)
         self.optimizer = self.session.build_optimizer(self.model)
 
         def loader(tokens_per_batch: int | None):
-            return self.session.prepare_loader(
-                data.train, tokens_per_batch, lengths=data.train_lengths, pad_id=data.pad_id
+            if pairing is None:
+                return self.session.prepare_loader(
+                    data.train, tokens_per_batch, lengths=data.train_lengths, pad_id=data.pad_id
+                )
+            if self.recipe.shapes.mode == "auto" and "shapes.mode" not in self.session.decisions:
+                # auto decides on the whole corpus, as without pairing; windows then reuse the choice
+                self.session.prepare_loader(
+                    data.train, tokens_per_batch, lengths=data.train_lengths, pad_id=data.pad_id
+                )
+
+            def window(sequences, lengths):
+                return self.session._shaped_loader(
+                    sequences, tokens_per_batch, None, pad_id=data.pad_id, lengths=lengths
+                )
+
+            windowed = WindowedLoader(
+                window, data.train, data.train_lengths, pairing.windows, order_seed=order_seed
             )
+            return self.session._maybe_prefetch(windowed)
 
         shapes = self.recipe.shapes
         self.loader = matched_loader(loader, shapes.tokens_per_batch, real_tokens_per_step, shapes.max_len)
@@ -158,7 +221,23 @@ class RecipeContender(LoopContender):
         return sum(r.data_wait_s for r in self.session.tracker.records[mark:])
 
     def validation_loss(self) -> float:
-        return evaluate(self.model, self.val_loader, self.session, self.val_batches)
+        sums, tokens = self.validation_sums()
+        return float(sum(sums) / max(sum(tokens), 1))
+
+    def validation_sums(self) -> tuple[list[float], list[int]]:
+        """Per validation batch: the summed loss over its real tokens, and their count (the same
+        batches for every contender; the paired gap's sampling error is computed from these)."""
+        model, was_training = self.model, self.model.training
+        model.eval()
+        sums, tokens = [], []
+        for plan in self.val_loader.plans(epoch=0)[: self.val_batches]:
+            batch = self.val_loader.make_batch(plan)
+            with self.session.autocast():
+                loss = loss_of(model(**batch))
+            sums.append(loss.double() * batch.real_tokens)
+            tokens.append(batch.real_tokens)
+        model.train(was_training)
+        return [float(x) for x in torch.stack(sums).tolist()] if sums else [], tokens
 
     def info(self) -> dict[str, Any]:
         m = self.session.metrics()
@@ -166,6 +245,7 @@ class RecipeContender(LoopContender):
         return {
             "distinct_shapes": m.distinct_shapes,
             "recompiles": m.recompiles,
+            "init": self.init_note,
             "recipe": self.recipe.to_dict(),
             **({"decisions_list": [{"field": k, **v} for k, v in decisions.items()]} if decisions else {}),
             **{k: v for k, v in m.extra.items() if isinstance(v, (int, float, str, bool))},
@@ -176,13 +256,45 @@ def custom_factory(cls: type[RecipeContender]) -> Callable[..., RecipeContender]
     """The `run_bench(custom=...)` factory for a RecipeContender subclass: the contender named
     `label@recipe-spec` is built from that recipe, matched like the others, and keeps its label."""
 
-    def build(spec, workload, size, data, val_batches, reference, target) -> RecipeContender:
+    def build(spec, workload, size, data, val_batches, reference, target, pairing=None) -> RecipeContender:
         return cls(
             spec.split("@", 1)[1], workload, size, data, val_batches, reference,
-            real_tokens_per_step=target, name=spec,
+            real_tokens_per_step=target, name=spec, pairing=pairing,
         )  # fmt: skip
 
     return build
+
+
+NOISE_SOURCE = "the reference re-run with other seeds (another init and data order)"
+
+
+def _validation(c: Contender) -> tuple[float, tuple[list[float], list[int]] | None]:
+    """(validation loss, per-batch loss sums and real tokens where the contender gives them)."""
+    if isinstance(c, RecipeContender):
+        sums, tokens = c.validation_sums()
+        return float(sum(sums) / max(sum(tokens), 1)), (sums, tokens)
+    return c.validation_loss(), None
+
+
+def _paired_sampling_error(
+    sums: tuple[list[float], list[int]] | None, ref: tuple[list[float], list[int]] | None
+) -> float | None:
+    """Standard error of the relative paired gap over the validation batches: with d_b the gap's
+    per-token contribution of batch b (both runs saw the same batch), SE = sd(d_b) / sqrt(n) / ref
+    loss. What drawing other held-out batches would move the verdict by (should be << the band)."""
+    if sums is None or ref is None or sums is ref or len(sums[0]) < 2 or sums[1] != ref[1]:
+        return None
+    tokens = np.asarray(ref[1], dtype=np.float64)
+    d = (np.asarray(sums[0]) - np.asarray(ref[0])) / tokens  # per-token gap in each batch
+    w = tokens / tokens.sum()
+    mean = float((w * d).sum())
+    var = float((w * (d - mean) ** 2).sum()) * len(d) / (len(d) - 1)
+    ref_loss = float(np.sum(ref[0]) / tokens.sum())
+    return math.sqrt(var * float((w**2).sum())) / ref_loss if ref_loss else None
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def _iqr(values: list[float]) -> float:
@@ -228,6 +340,9 @@ def run_bench(
     memory: str = "auto",
     parity_floor: float = 0.002,
     noise_seeds: int = 2,
+    paired: bool = True,
+    window_tokens: int | None = None,
+    parity_resolution: float = PARITY_RESOLUTION,
     match_steps: bool = True,
     min_dtype_speed: float | None = 1 / SLOW_DTYPE_FACTOR,
     max_round_s: float | None = None,
@@ -240,8 +355,15 @@ def run_bench(
 
     With `match_steps` every contender's batches carry the reference's real tokens per optimizer
     step (its token budget per batch is rescaled), so equal real-token budgets mean equal steps and
-    the validation losses compare the same training. Parity is judged against the spread of
-    `noise_seeds` extra runs of the reference with other seeds (see `noise_band`). A recipe that
+    the validation losses compare the same training. With `paired` (the default) every recipe
+    contender starts from the reference's initial weights and trains on the same document windows
+    (`window_tokens` training positions each, default one round's real-token budget); the
+    `noise_seeds` extra runs of the reference permute the documents inside each window, and their
+    spread is the null band (`slipstream.parity.null_band`); a verdict is "unjudged" when the run
+    could not catch a `parity_resolution` regression. `paired=False` is the seed-band design: the
+    extra runs use other seeds (init and data order) and parity is judged against their spread
+    (`noise_band`). Peers keep their own init and data order: they pass within the band, and are
+    "unjudged" (not "fail") outside it unless the gap exceeds the seed-band rule. A recipe that
     forces a dtype the probe measured below `min_dtype_speed` x fp32 is skipped with the figures
     (None runs every dtype).
     `real_tokens_per_step_target` sets the matched figure instead of taking the first contender's
@@ -271,6 +393,12 @@ def run_bench(
         raise RecipeError(f"workload {workload!r} has no size {size!r}; choose one of {', '.join(wl.sizes)}")
     data = wl.load_data()
     budget = round_tokens or 2 * specs[0].shapes.tokens_per_batch
+    pairing = None
+    if paired:
+        windows = DocumentWindows(
+            data.train_lengths, specs[0].shapes.max_len, window_tokens or budget, specs[0].runtime.seed
+        )
+        pairing = Pairing(windows)
 
     contenders: list[Contender] = []
     skipped: dict[str, str] = {}
@@ -288,11 +416,12 @@ def run_bench(
         since = cuda_memory.allocated()
         try:
             if spec in custom:
-                c = custom[spec](spec, workload, size, data, val_batches, specs[0], target)
+                c = custom[spec](spec, workload, size, data, val_batches, specs[0], target, pairing=pairing)
             else:
                 c = RecipeContender(
-                    spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target
-                )
+                    spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target,
+                    pairing=pairing,
+                )  # fmt: skip
         except Exception as err:
             if not tolerate_failures or spec == recipes[0]:
                 raise
@@ -306,10 +435,24 @@ def run_bench(
     noise: list[Contender] = []
     base_seed = specs[0].runtime.seed
     for k in range(1, noise_seeds + 1):
-        spec = f"{recipes[0]}+runtime.seed={base_seed + k}"
-        say(f"building {spec} (noise band)")
+        if paired:  # same init, same windows, another order inside each window
+            spec, name = recipes[0], f"{recipes[0]} (null: window order {k})"
+        else:
+            spec = name = f"{recipes[0]}+runtime.seed={base_seed + k}"
+        say(f"building {name} (noise band)")
         noise.append(
-            RecipeContender(spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target)
+            RecipeContender(
+                spec,
+                workload,
+                size,
+                data,
+                val_batches,
+                specs[0],
+                real_tokens_per_step=target,
+                name=name,
+                pairing=pairing,
+                order_seed=k,
+            )  # fmt: skip
         )
     for peer in peers or []:
         try:
@@ -359,11 +502,18 @@ def run_bench(
 
         per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
         for r in range(rounds):
+            ref_steps: int | None = None
             for c in everyone:  # interleaved: A B C A B C ...
                 if c.name in failed:
                     continue
+                # Paired: every recipe trains exactly the reference's steps of this round (its real
+                # tokens differ by the matching tolerance at most); at this budget val loss moves
+                # several percent per step, so a step more or less would swamp any verdict.
+                steps_only = paired and ref_steps is not None and isinstance(c, RecipeContender)
                 with cuda_memory.round(c.name):
-                    st = counted_round(c, budget)
+                    st = counted_round(c, None, ref_steps) if steps_only else counted_round(c, budget)
+                if ref_steps is None and st is not None and c is contenders[0]:
+                    ref_steps = st.steps
                 if st is None:
                     continue
                 per_round[c.name].append(st)
@@ -374,17 +524,20 @@ def run_bench(
 
         say("reading the peak matmul rate (machine probe)")
         peak = peak_flops_from_probe(device)
-        noise_losses = []
+        noise_sums = []
         contenders = [c for c in contenders if c.name not in failed]
         for c in noise:
             if c.name in failed:
                 continue
             say(f"validation {c.name}")
-            noise_losses.append(c.validation_loss())
+            noise_sums.append(_validation(c))
+        noise_losses = [v for v, _ in noise_sums]
         results: list[ContenderResult] = []
         warnings: list[str] = []
         ref_val: float | None = None
+        ref_sums: tuple[list[float], list[int]] | None = None
         band = 0.0
+        null: NullBand | None = None
         for c in contenders:
             stats = per_round[c.name]
             tps = [s.real_tokens / s.seconds for s in stats]
@@ -395,11 +548,27 @@ def run_bench(
             padded = sum(s.padded_tokens for s in stats)
             step_time = seconds / max(steps, 1)
             say(f"validation {c.name}")
-            val = c.validation_loss()
+            val, sums = _validation(c)
             if ref_val is None:
-                ref_val = val
+                ref_val, ref_sums = val, sums
                 band = noise_band([val, *noise_losses])
-            verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
+                if paired:
+                    null = null_band(val, noise_losses, parity_floor, resolution=parity_resolution)
+                    band = null.spread
+            sampling_error = _paired_sampling_error(sums, ref_sums) if paired else None
+            if null is not None:
+                verdict, gap = judge_paired(val, ref_val, null)
+                if verdict == "fail" and c.kind == "peer":
+                    # a peer has its own init and data order: only the seed-band rule can fail it
+                    seed_rule, _, _ = judge_parity(val, ref_val, DEFAULT_PARITY_TOLERANCE, parity_floor)
+                    verdict = seed_rule if seed_rule == "fail" else "unjudged"
+                if verdict == "unjudged" and c is not contenders[0]:
+                    why = "not paired (own init and data order)" if c.kind == "peer" else ""
+                    warnings.append(
+                        why and f"{c.name}: parity unjudged: {why}" or unjudged_note(c.name, null)
+                    )
+            else:
+                verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
             if c is contenders[0]:
                 verdict = "reference"
             elif c.name in capped:
@@ -455,6 +624,7 @@ def run_bench(
                     val_loss=val,
                     parity_gap=gap if math.isfinite(gap) else 1e9,
                     parity=verdict,
+                    parity_sampling_error=sampling_error,
                     mfu=mfu,
                     precision=c.precision,
                     noisy=noisy,
@@ -477,10 +647,17 @@ def run_bench(
                 "round_real_tokens": budget,
                 "warmup_steps": warmup_steps,
                 "val_batches": val_batches,
-                "parity_tolerance": max(band, parity_floor),
+                "parity_design": "paired" if paired else "seeds",
+                "parity_tolerance": null.threshold if null else max(band, parity_floor),
                 "parity_noise_band": band,
+                "parity_band_source": null.source if null else NOISE_SOURCE,
+                "parity_detectable_effect": _finite_or_none(null.detectable) if null else None,
+                "parity_null_sigma": _finite_or_none(null.sigma) if null else None,
+                "parity_resolution": parity_resolution if paired else None,
                 "parity_floor": parity_floor,
                 "parity_noise_val_losses": [ref_val, *noise_losses],
+                "parity_window_tokens": pairing.windows.window_tokens if pairing else None,
+                "val_real_tokens": sum(ref_sums[1]) if ref_sums else None,
                 "real_tokens_per_step": target,
                 "order": "interleaved A B C per round; medians over rounds",
             },

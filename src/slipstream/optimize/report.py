@@ -28,19 +28,22 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['reference_real_tokens_per_s']:,.0f} for `{result['base']}` (product of kept stage gains "
         f"{result['speedup_estimate']:.2f}x).",
         "",
-        f"Parity band (reference re-run with other seeds): {result['parity_band']:.2%} "
-        f"(val losses {', '.join(f'{v:.4f}' for v in result['reference_val_losses'])}).",
+        f"Parity band (paired: {result.get('parity_band_source', 'reference re-runs')}): allowed gap "
+        f"{result['parity_band']:.2%}, would catch a regression >= {_fmt(result.get('parity_detectable_effect'), '.2%')} "
+        f"(val losses {', '.join(f'{v:.4f}' for v in result['reference_val_losses'])}); a verdict is "
+        f"unjudged, and nothing is kept, when that exceeds {result['method'].get('parity_resolution', 0.01):.0%}.",
         "",
         f"Reproduce side by side: `{result['bench_command']}`",
         "",
-        "| stage | candidate | real tok/s | vs best | noise | val loss | parity gap | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "| stage | candidate | real tok/s | vs best | noise | val loss | parity gap | band | detects | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result["candidates"]:
         lines.append(
             f"| {c['stage']} | `{' '.join(c['overrides'])}` | {_fmt(c['real_tokens_per_s'], ',.0f')} | "
             f"{_fmt(c['speed_vs_best'], '.3f')} | {_fmt(c['noise'], '.1%')} | {_fmt(c['val_loss'], '.4f')} | "
-            f"{_fmt(c['parity_gap'], '.2%')} | {c['verdict']} |"
+            f"{_fmt(c['parity_gap'], '.2%')} | {_fmt(c.get('parity_band'), '.2%')} | "
+            f"{_fmt(c.get('parity_detectable_effect'), '.2%')} | {c['verdict']} |"
         )
     lines += ["", "| stage | outcome |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in result["stages"].items()]

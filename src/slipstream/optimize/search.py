@@ -8,8 +8,10 @@ only when
 
 - its median real tokens/s beats the current best's by more than the noise measured in that stage
   (the larger relative IQR of the two, never below MIN_GAIN), and
-- its validation loss lies within the parity band: the spread of the reference re-run with other
-  seeds in stage 0, the same guard `slipstream bench` applies.
+- its parity verdict is "pass": `slipstream bench`'s paired guard (same initial weights, same
+  document windows), its validation loss within the null band of stage 0 (the reference re-run
+  with another order of the same documents inside each window) *and* the run able to catch a 1%
+  regression. A candidate whose verdict is "unjudged" (the band too wide to see 1%) is never kept.
 
 Every candidate's speed, parity and verdict is kept for the report. A stage that would not fit in
 the remaining time budget is skipped and says so.
@@ -24,7 +26,7 @@ from typing import Any
 
 from .. import decisions, machine
 from ..bench.runner import run_bench
-from ..parity import judge_parity, noise_band
+from ..parity import PARITY_RESOLUTION, judge_paired, null_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
 from ..runtime import resolve_device
@@ -65,7 +67,9 @@ STAGES: dict[str, Stage] = {
     ),
     "buckets": Stage("buckets", (("shapes.buckets=4",), ("shapes.buckets=16",))),
     # ^ with Optuna installed, refined by Fibonacci search over BUCKETS_RANGE instead (_refine_buckets)
-    "precision": Stage("precision", (("precision.dtype=bf16",), ("precision.dtype=fp16",))),
+    "precision": Stage(
+        "precision", (("precision.dtype=bf16",), ("precision.dtype=fp16",), ("precision.tf32=on",))
+    ),
     "kernels": Stage("kernels", (("kernels.ops=auto",),)),
     "compile": Stage("compile", (("compile.mode=default",),)),
     "optimizer": Stage("optimizer", (("optimizer.impl=fused",), ("optimizer.impl=for-loop",))),
@@ -87,6 +91,11 @@ class Candidate:
     val_loss: float | None = None
     parity_gap: float | None = None
     parity: str | None = None
+    """pass / fail / unjudged (the paired guard's verdict)."""
+    parity_band: float | None = None
+    """The allowed gap the verdict used (stage 0's null band threshold)."""
+    parity_detectable_effect: float | None = None
+    """The smallest regression that verdict would have caught (~95%); above 1%: "unjudged"."""
     peak_memory_bytes: int | None = None
     verdict: str = ""
     """kept / rejected / skipped, with why."""
@@ -106,6 +115,10 @@ class OptimizeResult:
     speedup_estimate: float
     """Product of the kept per-stage gains (each measured side by side within its stage)."""
     parity_band: float
+    """The allowed |val loss gap| (the null band's threshold, stage 0)."""
+    parity_detectable_effect: float | None
+    """Smallest regression the guard would catch in ~95% of runs (None: no null re-runs)."""
+    parity_band_source: str
     reference_val_losses: list[float]
     candidates: list[Candidate]
     stages: dict[str, str]
@@ -139,7 +152,9 @@ def _stage_options(stage: Stage, best: Recipe, device) -> tuple[list[tuple[str, 
             notes.append(f"{opt[0]}: not tried (shapes.mode is {best.shapes.mode})")
             continue
         if stage.name == "precision":
-            why = decisions.too_slow(machine.probe(device), value, TRY_DTYPE_RATIO)
+            # tf32=on is priced by the probe's tf32 row (CUDA only), a dtype by its own row
+            dtype = "tf32" if opt[0].startswith("precision.tf32") else value
+            why = decisions.too_slow(machine.probe(device), dtype, TRY_DTYPE_RATIO)
             if why:
                 notes.append(f"{opt[0]}: not tried ({why})")
                 continue
@@ -203,6 +218,7 @@ def optimize(
     round_tokens: int | None = None,
     noise_seeds: int = 2,
     parity_floor: float = 0.002,
+    parity_resolution: float = PARITY_RESOLUTION,
     progress: Callable[[str], None] | None = None,
 ) -> OptimizeResult:
     """Search recipes by measurement within `budget_s` seconds; see the module docstring."""
@@ -219,13 +235,18 @@ def optimize(
         size=size, rounds=rounds, round_tokens=round_tokens, memory="skip", min_dtype_speed=None, progress=say
     )
 
-    say(f"stage reference: {base} and {noise_seeds} re-runs with other seeds (the parity band)")
+    say(f"stage reference: {base} and {noise_seeds} null re-runs (another order inside each window)")
     ref = run_bench(workload, [base], noise_seeds=noise_seeds, parity_floor=parity_floor, **common)
     target = ref.method["real_tokens_per_step"]
     ref_val = ref.contenders[0].val_loss
-    band = noise_band(ref.method["parity_noise_val_losses"])
+    vals = ref.method["parity_noise_val_losses"]
+    band = null_band(vals[0], vals[1:], parity_floor, resolution=parity_resolution)
+    detectable = band.detectable if band.detectable != float("inf") else None
     per_contender_s = ref.wall_s / (1 + noise_seeds)
-    say(f"reference: {ref.contenders[0].real_tokens_per_s:,.0f} real tok/s; parity band {band:.2%}")
+    say(
+        f"reference: {ref.contenders[0].real_tokens_per_s:,.0f} real tok/s; parity band {band.threshold:.2%}, "
+        f"would catch >= {band.detectable:.2%}" + ("" if band.judged else " (too wide: nothing can be kept)")
+    )
 
     best: list[str] = []
     best_tps = ref.contenders[0].real_tokens_per_s
@@ -292,11 +313,17 @@ def optimize(
                 continue
             ratio = c.real_tokens_per_s / cur.real_tokens_per_s
             noise = max(cur_noise, c.real_tokens_per_s_iqr / c.real_tokens_per_s, MIN_GAIN)
-            verdict, gap, allowed = judge_parity(c.val_loss, ref_val, band, parity_floor)
+            verdict, gap = judge_paired(c.val_loss, ref_val, band)
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
             cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
-            if verdict != "pass":
-                cand.verdict = f"rejected: parity gap {gap:.2%} > {allowed:.2%}"
+            cand.parity_band, cand.parity_detectable_effect = band.threshold, detectable
+            if verdict == "fail":
+                cand.verdict = f"rejected: parity gap {gap:.2%} > {band.threshold:.2%}"
+            elif verdict == "unjudged":
+                cand.verdict = (
+                    f"rejected: parity unjudged: would catch >= {band.detectable:.1%} "
+                    f"(gap {gap:.2%}; a pass needs a run that sees {band.resolution:.0%})"
+                )
             elif ratio <= 1:
                 cand.verdict = f"rejected: slower ({ratio:.3f}x)"
             elif ratio <= 1 + noise:
@@ -341,7 +368,9 @@ def optimize(
         reference_real_tokens_per_s=ref.contenders[0].real_tokens_per_s,
         best_real_tokens_per_s=best_tps,
         speedup_estimate=speedup,
-        parity_band=band,
+        parity_band=band.threshold,
+        parity_detectable_effect=detectable,
+        parity_band_source=band.source,
         reference_val_losses=list(ref.method["parity_noise_val_losses"]),
         candidates=candidates,
         stages=outcome,
@@ -355,6 +384,8 @@ def optimize(
             "real_tokens_per_step": target,
             "min_gain": MIN_GAIN,
             "parity_floor": parity_floor,
+            "parity_resolution": parity_resolution,
+            "parity_null_sigma": band.sigma,
             "noise_seeds": noise_seeds,
             "stages": list(stages),
         },

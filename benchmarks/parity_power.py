@@ -1,0 +1,198 @@
+"""The parity guard's power (issue 24): over seeded runs at the default bench budget, how often each
+planted fault is flagged "fail" and each harmless recipe "pass", with the band and the detectable
+effect of every run.
+
+    python benchmarks/parity_power.py --model gpt --size small --seeds 5 --json out.json
+    python benchmarks/parity_power.py --model llama --size small --seeds 5 --json out.json
+    python benchmarks/parity_power.py --model gpt --size small --seeds 2 --unpaired   # the seed band
+
+One seeded run is one `run_bench` (every contender at `runtime.seed=S`, default rounds and round
+budget, 2 null re-runs): the reference (baseline), the harmless recipes (bucket, pack with the
+mask, fused AdamW, bf16 — run for its numerics even where it does not pay) and the planted faults
+of slipstream.bench.faults (lr x 3, pack with the document mask dropped, labels shifted by one,
+pure bf16, the first block frozen).
+
+`--model llama` is a Hugging Face LlamaForCausalLM built from a config (4 layers, d=256 for
+`small`; 2 layers, d=64 for `tiny`) on the gpt-stdlib documents re-tokenized with a byte-level BPE
+(2,048 tokens) trained here on the training documents: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from slipstream.bench.faults import fault_contenders, lr_times
+from slipstream.bench.runner import run_bench
+from slipstream.doctor import machine_info
+from slipstream.files import write_json
+from slipstream.workloads import get_workload
+from slipstream.workloads.registry import WORKLOADS, Workload, WorkloadData, register_workload
+
+HARMLESS = ("bucket", "pack", "baseline+optimizer.impl=fused", "bf16")
+LLAMA_VOCAB = 2048
+LLAMA_SIZES = {"tiny": (64, 172, 2, 2, 1), "small": (256, 688, 4, 4, 2)}
+"""size -> (hidden, intermediate, layers, heads, kv heads)."""
+
+
+@cache
+def _llama_data() -> WorkloadData:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from slipstream.workloads.corpus import decode, load_stdlib_corpus
+
+    corpus = load_stdlib_corpus()
+    train = [decode(corpus.train[i]) for i in range(len(corpus.train))]
+    val = [decode(corpus.validation[i]) for i in range(len(corpus.validation))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=LLAMA_VOCAB, special_tokens=["<pad>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(train[:2000], trainer)
+    eos = tok.token_to_id("<|endoftext|>")
+
+    def ids(texts):
+        return [np.array([*e.ids, eos], dtype=np.int64) for e in tok.encode_batch(texts)]
+
+    tr, va = ids(train), ids(val)
+    return WorkloadData(
+        train=tr, validation=va, train_lengths=np.array([len(x) for x in tr]),
+        validation_lengths=np.array([len(x) for x in va]), pad_id=0, vocab_size=tok.get_vocab_size(),
+    )  # fmt: skip
+
+
+def _llama_model(size: str, max_len: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, heads, kv = LLAMA_SIZES[size]
+    cfg = LlamaConfig(
+        vocab_size=LLAMA_VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_len,
+        bos_token_id=1, eos_token_id=1, pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def workload(model: str) -> str:
+    if model == "gpt":
+        return "gpt-stdlib"
+    name = "parity-hf-llama"
+    if name not in WORKLOADS:
+        desc = "HF LlamaForCausalLM from a config on gpt-stdlib re-tokenized (local BPE)"
+        register_workload(Workload(name, desc, tuple(LLAMA_SIZES), _llama_model, _llama_data))
+    return name
+
+
+def one_run(wl: str, size: str, seed: int, args) -> dict:
+    extra = f"+runtime.seed={seed}{args.set}"
+    ref = f"baseline{extra}"
+    harmless = [h.split("+")[0] + extra + "".join("+" + o for o in h.split("+")[1:]) for h in HARMLESS]
+    faults, custom = fault_contenders(extra)
+    recipes = [ref, *harmless, lr_times(ref, 3.0), *faults]
+    t0 = time.perf_counter()
+    res = run_bench(
+        wl, recipes, size=size, rounds=args.rounds, memory="skip", noise_seeds=args.noise_seeds,
+        min_dtype_speed=None, custom=custom, paired=not args.unpaired,
+        progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None,
+    ).to_dict()  # fmt: skip
+    m = res["method"]
+    rows = []
+    for c, kind in zip(res["contenders"], ["reference"] + ["harmless"] * len(harmless) + ["fault"] * 99):
+        label = c["name"].split("@")[0] if "@" in c["name"] else c["name"].replace(extra, "")
+        if "optimizer.lr=" in c["name"]:
+            label = "lr-x3"
+        rows.append({
+            "label": label, "kind": kind, "val_loss": c["val_loss"], "parity_gap": c["parity_gap"],
+            "parity": c["parity"], "parity_sampling_error": c.get("parity_sampling_error"),
+        })  # fmt: skip
+    return {
+        "seed": seed,
+        "wall_s": time.perf_counter() - t0,
+        "steps": res["contenders"][0]["steps"],
+        "real_tokens": res["contenders"][0]["real_tokens"],
+        "band": {
+            k: m.get(k)
+            for k in (
+                "parity_design",
+                "parity_tolerance",
+                "parity_noise_band",
+                "parity_band_source",
+                "parity_detectable_effect",
+                "parity_null_sigma",
+                "parity_noise_val_losses",
+                "parity_window_tokens",
+                "val_real_tokens",
+                "real_tokens_per_step",
+            )
+        },  # fmt: skip
+        "contenders": rows,
+    }
+
+
+def summarise(runs: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for run in runs:
+        for c in run["contenders"]:
+            s = out.setdefault(c["label"], {"kind": c["kind"], "runs": 0, "pass": 0, "fail": 0, "unjudged": 0,
+                                            "gaps": []})  # fmt: skip
+            s["runs"] += 1
+            if c["parity"] in ("pass", "fail", "unjudged"):
+                s[c["parity"]] += 1
+            s["gaps"].append(c["parity_gap"])
+    for s in out.values():
+        s["median_gap"] = float(np.median(s["gaps"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--noise-seeds", type=int, default=2)
+    ap.add_argument("--unpaired", action="store_true", help="the seed-band design, for comparison")
+    ap.add_argument("--set", default="", help="extra +section.field=value overrides for every recipe")
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    wl = workload(args.model)
+    get_workload(wl).load_data()  # tokenize once, outside the timed runs
+    runs = []
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        run = one_run(wl, args.size, seed, args)
+        runs.append(run)
+        b = run["band"]
+        de = b["parity_detectable_effect"]
+        print(
+            f"seed {seed}: {run['wall_s']:.0f} s, {run['steps']} steps; band {b['parity_tolerance']:.3%}, "
+            f"detectable {'-' if de is None else f'{de:.3%}'}, null sigma {b['parity_null_sigma']}",
+            flush=True,
+        )
+        for c in run["contenders"]:
+            print(f"  {c['label']:14} {c['kind']:9} gap {c['parity_gap']:.3%} {c['parity']}", flush=True)
+        if args.json:  # after every seed: an interrupted experiment keeps what it measured
+            payload = {
+                "benchmark": "parity_power", "workload": wl, "model": args.model, "size": args.size,
+                "command": "python benchmarks/parity_power.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "machine": machine_info(), "design": "seeds" if args.unpaired else "paired",
+                "summary": summarise(runs), "runs": runs,
+            }  # fmt: skip
+            write_json(Path(args.json), payload)
+    for label, s in summarise(runs).items():
+        print(f"{label:14} {s['kind']:9} pass {s['pass']}/{s['runs']} fail {s['fail']}/{s['runs']} "
+              f"unjudged {s['unjudged']}/{s['runs']} median gap {s['median_gap']:.3%}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
