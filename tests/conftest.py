@@ -29,7 +29,9 @@ def machine_like(monkeypatch):
     `machine_like(bf16=0.01)` is an AVX2-only CPU, `machine_like(bf16=4.0)` an AMX one."""
     from slipstream import machine
 
-    def use(bf16: float, fp16: float = 1.0, compile_ok: bool = True) -> machine.MachineProbe:
+    def use(
+        bf16: float, fp16: float = 1.0, compile_ok: bool = True, tf32: float | None = None
+    ) -> machine.MachineProbe:
         fp32 = 100e9
         p = machine.MachineProbe(
             fingerprint={"cpu_model": "test CPU", "cpu_capability": "TEST", "threads": 1, "torch": "x"},
@@ -39,6 +41,7 @@ def machine_like(monkeypatch):
                 "fp32": {"1024": fp32},
                 "bf16": {"1024": bf16 * fp32},
                 "fp16": {"1024": fp16 * fp32},
+                **({"tf32": {"1024": tf32 * fp32}} if tf32 is not None else {}),
             },
             matmul_notes={},
             copy_bytes_per_s={"host_memcpy": 1e10},
