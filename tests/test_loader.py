@@ -135,3 +135,43 @@ def test_peak_memory_is_this_process_not_an_inherited_high_water_mark():
     )
     child_peak = int(subprocess.check_output([sys.executable, "-c", parent]).decode().strip())
     assert child_peak < 1024 * 2**20
+
+
+# ----------------------------------------------------------------------------- issue 25 leftovers
+
+
+def test_token_ids_an_embedding_cannot_look_up_are_refused_before_the_model_sees_them():
+    from slipstream.workloads.gpt import build_gpt
+
+    with pytest.raises(
+        RecipeError, match=r"sequence 1 holds token id -5 at position 2; token ids must be >= 0"
+    ):
+        ShapedLoader([[1, 2, 3], [4, 5, -5, 6]], ShapesConfig(max_len=16, tokens_per_batch=32))
+    with pytest.raises(RecipeError, match=r"pad_id=-1 must be a token id"):
+        ShapedLoader(seqs([5]), ShapesConfig(max_len=16, tokens_per_batch=32), pad_id=-1)
+    session = Session(Recipe(shapes=ShapesConfig(max_len=16, tokens_per_batch=32)))
+    session.prepare_model(build_gpt("tiny", max_len=16))  # vocabulary: 264 ids
+    with pytest.raises(RecipeError, match=r"sequence 0 holds token id 300 .* in \[0, 264\)"):
+        session.prepare_loader([[1, 2, 300, 4], [5, 6, 7]])
+    # with lengths given nothing is scanned up front: the batch holding the id is refused, by name
+    bad = [[1, 2, 3], [4, 5, 6, -7]]
+    loader = session.prepare_loader(bad, lengths=np.array([3, 4]))
+    with pytest.raises(RecipeError, match=r"sequence 1 holds token id -7 at position 3"):
+        list(loader)
+
+
+def test_pack_is_checked_in_rows_no_wider_than_max_len():
+    # The packing check used to lay its probe documents in one 65-68 column row, so at
+    # shapes.max_len=64 a GPT with 64 positions "failed on a packed batch" and pack was refused.
+    from slipstream.workloads.gpt import build_gpt
+
+    torch.manual_seed(0)
+    for max_len in (64, 16, 4):
+        session = Session(
+            Recipe(shapes=ShapesConfig(mode="pack", max_len=max_len, tokens_per_batch=4 * max_len))
+        )
+        model = session.prepare_model(build_gpt("tiny", max_len=max_len))
+        loader = session.prepare_loader(seqs([100, 40, 70, 9, 120]))
+        assert session.packing_problem() is None
+        batch = next(iter(loader))
+        assert batch["input_ids"].shape[1] == max_len and torch.isfinite(model(**batch))

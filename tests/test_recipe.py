@@ -78,3 +78,31 @@ def test_every_field_has_a_docstring():
 
 def test_to_dict_is_json_serialisable():
     json.dumps(get_preset("baseline").to_dict())
+
+
+def test_a_float_or_absurd_max_len_is_refused_naming_the_field():
+    # issue 25: shapes.max_len=1e23 was reported accepted; 10**23 written out was, and crashed in
+    # the model's position table allocation
+    with pytest.raises(RecipeError, match=r"shapes.max_len=1e\+23 must be an integer \(write it without"):
+        Recipe().override("shapes.max_len=1e23")
+    with pytest.raises(
+        RecipeError,
+        match=r"shapes.max_len=100000000000000000000000 is out of range; use a value between 2 and 16777216",
+    ):
+        Recipe().override("shapes.max_len=100000000000000000000000")
+    with pytest.raises(RecipeError, match=r"shapes.tokens_per_batch=\d+ is out of range"):
+        Recipe().override(f"shapes.tokens_per_batch={10**30}")
+    with pytest.raises(
+        RecipeError, match=r"optimizer.warmup_steps=\d+ is out of range; use a value below 2\*\*63"
+    ):
+        Recipe().override(f"optimizer.warmup_steps={10**30}")
+    assert Recipe().override("shapes.max_len=16777216").shapes.max_len == 2**24
+
+
+def test_prepare_loader_arguments_are_checked_as_the_recipe_fields_they_override():
+    from slipstream import Session
+
+    with pytest.raises(RecipeError, match=r"shapes.max_len=1e\+23 must be an integer"):
+        Session(Recipe()).prepare_loader([[1, 2, 3]], max_len=1e23)
+    with pytest.raises(RecipeError, match=r"shapes.tokens_per_batch=0 is out of range"):
+        Session(Recipe()).prepare_loader([[1, 2, 3]], tokens_per_batch=0)

@@ -301,10 +301,12 @@ def _check_value(path: str, tp: Any, value: Any) -> Any:
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            hint = " (write it without a decimal point or exponent, e.g. 1024)" if isinstance(value, float) else ""
+            hint = (
+                " (write it without a decimal point or exponent, e.g. 1024)"
+                if isinstance(value, float)
+                else ""
+            )
             raise RecipeError(f"{path}={value!r} must be an integer{hint}")
-        if not -(2**63) <= value < 2**63:  # every count ends up in a tensor size or an int64
-            raise RecipeError(f"{path}={value!r} is out of range; use a value below 2**63")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -352,6 +354,9 @@ def _check_range(path: str, value: Any) -> None:
         if value < lo or (hi is not None and value > hi):
             bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
             raise RecipeError(f"{path}={value!r} is out of range; use a value {bound}")
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        # every count ends up in a tensor size or an int64
+        raise RecipeError(f"{path}={value!r} is out of range; use a value below 2**63")
 
 
 def check_field(path: str, value: Any) -> Any:

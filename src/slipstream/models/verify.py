@@ -23,6 +23,7 @@ from .convention import BatchConvention, loss_of, takes_keyword, unwrap
 PACKING_TOLERANCE = 1e-4
 """Relative gap allowed between a document's loss packed and alone (fp32, eval mode)."""
 _DOC_TOKENS = (24, 13, 31)
+_PAD_COLUMNS = 3  # padding after the packed documents: it must not change their losses either
 
 
 def _sample_documents(sequences: Sequence) -> list[np.ndarray]:
@@ -38,17 +39,41 @@ def _sample_documents(sequences: Sequence) -> list[np.ndarray]:
     return [rng.integers(0, 256, n) for n in _DOC_TOKENS]
 
 
+def _fit_row(docs: list[np.ndarray], extra: int, max_len: int | None) -> tuple[list[np.ndarray], int]:
+    """The documents, shortened (longest first, each kept at >= 2 tokens; then fewer of them) so
+    that one packed row of them plus its padding columns is at most `max_len` wide: the loader
+    never builds a wider row, and a model with max_len positions refuses one (issue 25: a
+    68-column probe row made `shapes.mode=pack` look impossible at shapes.max_len=64)."""
+    if max_len is None:
+        return docs, _PAD_COLUMNS
+    docs = list(docs)
+    pad = min(_PAD_COLUMNS, max(0, max_len - 2 * (1 + extra)))  # room for two documents first
+    budget = max_len - pad
+    while (excess := sum(len(d) - 1 + extra for d in docs) - budget) > 0:
+        i = max(range(len(docs)), key=lambda j: len(docs[j]))
+        if len(docs[i]) > 2:
+            docs[i] = docs[i][: max(2, len(docs[i]) - excess)]
+        elif len(docs) > 1:  # every document is down to 2 tokens: pack fewer of them
+            docs.pop()
+        else:
+            break
+    return docs, pad
+
+
 def packing_problem(
     model: nn.Module,
     convention: BatchConvention,
     device: torch.device,
     sequences: Sequence = (),
+    max_len: int | None = None,
 ) -> str | None:
-    """None when every document's loss packed equals its loss alone, else what differed."""
+    """None when every document's loss packed equals its loss alone, else what differed.
+
+    `max_len`: the widest row the loader will build (shapes.max_len); the probe row stays within it."""
     model = unwrap(model)
     if not takes_keyword(model, convention.packing):
         return f"{type(model).__name__}.forward takes no {convention.packing}"
-    docs = _sample_documents(sequences)
+    docs, pad = _fit_row(_sample_documents(sequences), convention.extra_column, max_len)
     cols = [len(d) - 1 + convention.extra_column for d in docs]
     seq_ids = np.arange(len(docs))
     starts = np.zeros(len(docs), dtype=np.int64)
@@ -57,7 +82,7 @@ def packing_problem(
         arrays = collate(BatchPlan(width, rows), docs, seq_ids, starts, 0, True, convention)
         return {k: torch.from_numpy(v).to(device) for k, v in arrays.items()}
 
-    packed = batch((tuple(Segment(i, 0, c) for i, c in enumerate(cols)),), sum(cols) + 3)
+    packed = batch((tuple(Segment(i, 0, c) for i, c in enumerate(cols)),), sum(cols) + pad)
     col_of = np.repeat(np.arange(len(docs)), cols)
     was_training = model.training
     model.eval()

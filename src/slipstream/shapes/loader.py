@@ -49,7 +49,7 @@ class OverflowReport:
     """Items after overflow handling (split sequences count once per piece)."""
 
 
-def _as_int_array(seq: object, index: int) -> np.ndarray:
+def _as_int_array(seq: object, index: int, vocab_size: int | None = None) -> np.ndarray:
     arr = seq.numpy() if isinstance(seq, torch.Tensor) else np.asarray(seq)
     if arr.ndim != 1:
         raise RecipeError(
@@ -57,15 +57,41 @@ def _as_int_array(seq: object, index: int) -> np.ndarray:
         )
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise RecipeError(f"sequence {index} holds {arr.dtype} values; token ids must be integers")
+    check_token_ids(arr, index, vocab_size)
     return arr
 
 
+def check_token_ids(ids: np.ndarray, index: int | None, vocab_size: int | None) -> None:
+    """Refuse ids an embedding cannot look up (negative, or >= vocab_size where it is known) here,
+    naming the sequence, rather than as an IndexError inside the model's forward."""
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and (vocab_size is None or hi < vocab_size):
+        return
+    bad = lo if lo < 0 else hi
+    at = int(np.flatnonzero(ids == bad)[0])
+    allowed = f"in [0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else ">= 0"
+    where = (
+        f"sequence {index} holds token id {bad} at position {at}" if index is not None else f"token id {bad}"
+    )
+    raise RecipeError(f"{where}; token ids must be {allowed}: fix the tokenization of the data")
+
+
 def make_items(
-    sequences: Sequence, cfg: ShapesConfig, lengths: np.ndarray | None = None
+    sequences: Sequence,
+    cfg: ShapesConfig,
+    lengths: np.ndarray | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, OverflowReport]:
-    """Apply the overflow policy. Returns (item_seq, item_start, item_len, report) in positions."""
+    """Apply the overflow policy. Returns (item_seq, item_start, item_len, report) in positions.
+
+    Without `lengths` every sequence is read once here, and its token ids are checked (>= 0, and
+    < vocab_size when given); with `lengths` the ids are checked batch by batch as they are collated."""
     if lengths is None:
-        lengths = np.array([len(_as_int_array(s, i)) for i, s in enumerate(sequences)], dtype=np.int64)
+        lengths = np.array(
+            [len(_as_int_array(s, i, vocab_size)) for i, s in enumerate(sequences)], dtype=np.int64
+        )
     positions = np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0)
     if len(positions) == 0:
         raise RecipeError("the dataset is empty: give at least one sequence of 2 or more tokens")
@@ -171,12 +197,18 @@ class ShapedLoader:
         on_batch: Callable[[Batch, float], None] | None = None,
         convention: BatchConvention = SHIFTED,
         group: int | None = None,
+        vocab_size: int | None = None,
     ):
         """`convention`: the model's batch convention (slipstream.models.detect_convention).
         `group`: consecutive batches planned with one shape (default `world_size`: each step's
-        batches of all ranks); slipstream.distributed plans whole optimizer steps this way."""
+        batches of all ranks); slipstream.distributed plans whole optimizer steps this way.
+        `vocab_size`: the model's vocabulary, when known: ids (and pad_id) at or above it are refused."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if pad_id < 0 or (vocab_size is not None and pad_id >= vocab_size):
+            vocab = f" and below the vocabulary size {vocab_size}" if vocab_size is not None else ""
+            raise RecipeError(f"pad_id={pad_id} must be a token id: >= 0{vocab}")
+        self.vocab_size = vocab_size
         self.sequences = sequences
         self.cfg = cfg
         self.seed = seed
@@ -189,7 +221,7 @@ class ShapedLoader:
             raise RecipeError(f"shapes.max_len={cfg.max_len} leaves no room for a prediction; raise it")
         # Items are cut in positions; a row needs `extra` more columns per item than it predicts.
         self.item_seq, self.item_start, item_len, self.overflow = make_items(
-            sequences, replace(cfg, max_len=cfg.max_len - extra), lengths
+            sequences, replace(cfg, max_len=cfg.max_len - extra), lengths, vocab_size
         )
         self.policy: ShapePolicy = get_shape_policy(cfg.mode)(
             cfg, item_len + extra, world_size=group or world_size
@@ -241,6 +273,7 @@ class ShapedLoader:
             self.policy.uses_document_ids,
             self.convention,
         )
+        self._check_batch_ids(plan, arrays["input_ids"], arrays["labels"])
         pin = self.device.type == "cuda"
         batch = Batch()
         for k, v in arrays.items():
@@ -253,6 +286,20 @@ class ShapedLoader:
         batch.padded_tokens = plan.shape[0] * plan.shape[1] - real
         batch.shape = plan.shape
         return batch
+
+    def _check_batch_ids(self, plan: BatchPlan, input_ids: np.ndarray, labels: np.ndarray) -> None:
+        """A min and a max per batch; on a bad id, name its sequence (labels hold each segment's
+        last token, which no input holds)."""
+        targets = labels[labels != IGNORE_INDEX]
+        lo = min(int(input_ids.min()), int(targets.min()) if targets.size else 0)
+        hi = max(int(input_ids.max()), int(targets.max()) if targets.size else 0)
+        if lo >= 0 and (self.vocab_size is None or hi < self.vocab_size):
+            return
+        for row in plan.rows:
+            for seg in row:
+                seq = int(self.item_seq[seg.item])
+                check_token_ids(np.asarray(self.sequences[seq]), seq, self.vocab_size)
+        check_token_ids(np.array([lo, hi]), None, self.vocab_size)  # not reached: a segment holds it
 
     def __iter__(self) -> Iterator[Batch]:
         if self._plans is None:
