@@ -112,6 +112,9 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
         rows.append({
             "label": label, "kind": kind, "val_loss": c["val_loss"], "parity_gap": c["parity_gap"],
             "parity": c["parity"], "parity_sampling_error": c.get("parity_sampling_error"),
+            "band_kind": c.get("parity_band_kind"), "tolerance": c.get("parity_tolerance"),
+            "detectable_effect": c.get("parity_detectable_effect"), "steps": c["steps"],
+            "real_tokens": c["real_tokens"],
         })  # fmt: skip
     return {
         "seed": seed,
@@ -149,6 +152,7 @@ def summarise(runs: list[dict]) -> dict:
             s["gaps"].append(c["parity_gap"])
     for s in out.values():
         s["median_gap"] = float(np.median(s["gaps"]))
+        s["max_gap"] = float(np.max(s["gaps"]))
     return out
 
 
@@ -179,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         for c in run["contenders"]:
-            print(f"  {c['label']:14} {c['kind']:9} gap {c['parity_gap']:.3%} {c['parity']}", flush=True)
+            de = c["detectable_effect"]
+            print(
+                f"  {c['label']:30} {c['kind']:9} gap {c['parity_gap']:.3%} {c['parity']:9} "
+                f"band {c['band_kind']} {c['tolerance']:.3%} detects {'-' if de is None else f'{de:.3%}'}",
+                flush=True,
+            )
         if args.json:  # after every seed: an interrupted experiment keeps what it measured
             payload = {
                 "benchmark": "parity_power", "workload": wl, "model": args.model, "size": args.size,
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             }  # fmt: skip
             write_json(Path(args.json), payload)
     for label, s in summarise(runs).items():
-        print(f"{label:14} {s['kind']:9} pass {s['pass']}/{s['runs']} fail {s['fail']}/{s['runs']} "
+        print(f"{label:30} {s['kind']:9} pass {s['pass']}/{s['runs']} fail {s['fail']}/{s['runs']} "
               f"unjudged {s['unjudged']}/{s['runs']} median gap {s['median_gap']:.3%}")  # fmt: skip
     return 0
 

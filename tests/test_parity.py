@@ -100,6 +100,11 @@ def test_paired_contenders_share_the_references_init_and_steps(frozen_runs):
     band = null_band(m["parity_noise_val_losses"][0], m["parity_noise_val_losses"][1:], m["parity_floor"])
     assert m["parity_tolerance"] == pytest.approx(band.threshold)
     assert m["parity_detectable_effect"] == pytest.approx(band.detectable)
+    # its batches are the reference's: judged on the numerics band (rows permuted inside each batch)
+    nb = m["parity_numerics_band"]
+    assert frozen["parity_band_kind"] == "numerics" and len(nb["val_losses"]) == 3
+    numerics = null_band(nb["val_losses"][0], nb["val_losses"][1:], m["parity_floor"])
+    assert frozen["parity_tolerance"] == pytest.approx(numerics.threshold)
 
 
 def test_a_frozen_layer_the_seed_band_passes_is_never_passed_by_the_paired_guard(frozen_runs):

@@ -131,16 +131,25 @@ def matched_loader(
     loader = build(None)
     if target is None:
         return loader
+    have = real_tokens_per_step(loader)
+    best = (abs(have - target), tokens_per_batch, loader)
     for _ in range(3):
-        have = real_tokens_per_step(loader)
         if abs(have - target) <= MATCH_TOLERANCE * target:
-            break
+            return loader
         scaled = max(min_tokens, round(tokens_per_batch * target / have))
         if scaled == tokens_per_batch:
             break
         tokens_per_batch = scaled
         loader = build(tokens_per_batch)
-    return loader
+        have = real_tokens_per_step(loader)
+        best = min(best, (abs(have - target), tokens_per_batch, loader), key=lambda b: b[0])
+    if best[0] > MATCH_TOLERANCE * target:
+        # whole rows make the figure jump (pack: 4 or 5 rows of max_len); try a row either side
+        for tpb in (best[1] - min_tokens, best[1] + min_tokens):
+            if tpb >= min_tokens:
+                cand = build(tpb)
+                best = min(best, (abs(real_tokens_per_step(cand) - target), tpb, cand), key=lambda b: b[0])
+    return best[2]
 
 
 class DocumentWindows:

@@ -84,6 +84,13 @@ class ContenderResult:
     parity_sampling_error: float | None
     """Paired design: the standard error of the relative gap from which validation batches were
     drawn (batch-clustered; None for the reference, unpaired runs and single-batch validation)."""
+    parity_band_kind: str | None
+    """Which null band judged it: "numerics" (its batches are the reference's: the reference re-run
+    with the rows of each batch permuted), "order" (another order inside the windows), or None."""
+    parity_tolerance: float
+    """The allowed gap its verdict used."""
+    parity_detectable_effect: float | None
+    """The smallest regression its verdict would catch in ~95% of runs (None: unpaired)."""
     mfu: float
     """Model FLOP/s over the peak matmul rate measured in this run: the model's own training FLOPs
     per token (`flops_per_token`, the built-in GPT's PaLM formula, attention term at the recipe's
@@ -154,10 +161,12 @@ class RecipeContender(LoopContender):
         name: str | None = None,
         pairing: Pairing | None = None,
         order_seed: int = 0,
+        row_seed: int = 0,
     ):
         """`pairing`: the run's shared document windows and the reference's initial weights (None:
         this contender's own init and data order, the seed-band design). `order_seed` permutes the
-        documents inside each window (the null re-runs)."""
+        documents inside each window (the order null re-runs); `row_seed` permutes the rows inside
+        each batch (the numerics null re-runs: the same batches, another reduction order)."""
         self.name = name or spec
         self.recipe: Recipe = resolve_recipe(spec)
         self.spec = spec
@@ -206,8 +215,19 @@ class RecipeContender(LoopContender):
         self.val_batches = val_batches
         self.device = self.session.device
         self.shapes_seen = set()
+        self.row_seed = row_seed
+        self._rows = torch.Generator().manual_seed(row_seed)
+
+    def _permute_rows(self, batch: Batch) -> Batch:
+        rows = batch["input_ids"].shape[0]
+        perm = torch.randperm(rows, generator=self._rows).to(batch["input_ids"].device)
+        out = Batch({k: v[perm] if v.dim() and v.shape[0] == rows else v for k, v in batch.items()})
+        out.real_tokens, out.padded_tokens, out.shape = batch.real_tokens, batch.padded_tokens, batch.shape
+        return out
 
     def train_step(self, batch: Batch) -> torch.Tensor:
+        if self.row_seed:
+            batch = self._permute_rows(batch)
         with self.session.autocast():
             loss = loss_of(self.model(**batch))
         self.session.backward(loss)
@@ -266,6 +286,14 @@ def custom_factory(cls: type[RecipeContender]) -> Callable[..., RecipeContender]
 
 
 NOISE_SOURCE = "the reference re-run with other seeds (another init and data order)"
+NUMERICS_SOURCE = "the reference re-run with the rows of each batch permuted (same init, same batches)"
+
+
+def same_batches(a: Recipe, b: Recipe) -> bool:
+    """Whether two paired recipes get identical batches: the same shapes section (not `auto`,
+    which decides per session). Such a contender differs from the reference only in numerics,
+    optimizer or model, and is judged against the numerics null band."""
+    return a.shapes == b.shapes and a.shapes.mode != "auto"
 
 
 def _validation(c: Contender) -> tuple[float, tuple[list[float], list[int]] | None]:
@@ -340,6 +368,7 @@ def run_bench(
     memory: str = "auto",
     parity_floor: float = 0.002,
     noise_seeds: int = 2,
+    numerics_seeds: int | None = None,
     paired: bool = True,
     window_tokens: int | None = None,
     parity_resolution: float = PARITY_RESOLUTION,
@@ -362,7 +391,10 @@ def run_bench(
     spread is the null band (`slipstream.parity.null_band`); a verdict is "unjudged" when the run
     could not catch a `parity_resolution` regression. `paired=False` is the seed-band design: the
     extra runs use other seeds (init and data order) and parity is judged against their spread
-    (`noise_band`). Peers keep their own init and data order: they pass within the band, and are
+    (`noise_band`). `numerics_seeds` more re-runs (default: 2 where some recipe has the reference's
+    shapes section, else none) keep the reference's batches and permute the rows inside each one:
+    their spread is the numerics band, which judges contenders whose batches are the reference's
+    (`same_batches`: only numerics, optimizer or model can differ). Peers keep their own init and data order: they pass within the band, and are
     "unjudged" (not "fail") outside it unless the gap exceeds the seed-band rule. A recipe that
     forces a dtype the probe measured below `min_dtype_speed` x fp32 is skipped with the figures
     (None runs every dtype).
@@ -454,6 +486,27 @@ def run_bench(
                 order_seed=k,
             )  # fmt: skip
         )
+    numerics: list[Contender] = []
+    if numerics_seeds is None:  # auto: 2, where a contender shares the reference's batches
+        numerics_seeds = 2 if any(same_batches(specs[0], r) for r in specs[1:]) else 0
+    if paired:
+        for k in range(1, numerics_seeds + 1):
+            name = f"{recipes[0]} (null: row order {k})"
+            say(f"building {name} (numerics band)")
+            numerics.append(
+                RecipeContender(
+                    recipes[0],
+                    workload,
+                    size,
+                    data,
+                    val_batches,
+                    specs[0],
+                    real_tokens_per_step=target,
+                    name=name,
+                    pairing=pairing,
+                    row_seed=k,
+                )  # fmt: skip
+            )
     for peer in peers or []:
         try:
             say(f"building peer {peer}")
@@ -461,7 +514,7 @@ def run_bench(
         except PeerUnavailable as why:
             skipped[peer] = str(why)
 
-    everyone = contenders + noise
+    everyone = contenders + noise + numerics
     try:
         device = getattr(contenders[0], "device", torch.device("cpu"))
         warm: dict[str, float] = {}
@@ -532,6 +585,12 @@ def run_bench(
             say(f"validation {c.name}")
             noise_sums.append(_validation(c))
         noise_losses = [v for v, _ in noise_sums]
+        numerics_losses = []
+        for c in numerics:
+            if c.name not in failed:
+                say(f"validation {c.name}")
+                numerics_losses.append(c.validation_loss())
+        numerics_null: NullBand | None = None
         results: list[ContenderResult] = []
         warnings: list[str] = []
         ref_val: float | None = None
@@ -555,9 +614,18 @@ def run_bench(
                 if paired:
                     null = null_band(val, noise_losses, parity_floor, resolution=parity_resolution)
                     band = null.spread
+                    if numerics:
+                        numerics_null = null_band(
+                            val, numerics_losses, parity_floor, resolution=parity_resolution,
+                            source=NUMERICS_SOURCE,
+                        )  # fmt: skip
             sampling_error = _paired_sampling_error(sums, ref_sums) if paired else None
-            if null is not None:
-                verdict, gap = judge_paired(val, ref_val, null)
+            used: NullBand | None = null
+            if numerics_null is not None and isinstance(c, RecipeContender) and c is not contenders[0]:
+                if same_batches(contenders[0].recipe, c.recipe):
+                    used = numerics_null  # the same batches as the reference: only numerics can differ
+            if used is not None:
+                verdict, gap = judge_paired(val, ref_val, used)
                 if verdict == "fail" and c.kind == "peer":
                     # a peer has its own init and data order: only the seed-band rule can fail it
                     seed_rule, _, _ = judge_parity(val, ref_val, DEFAULT_PARITY_TOLERANCE, parity_floor)
@@ -565,7 +633,7 @@ def run_bench(
                 if verdict == "unjudged" and c is not contenders[0]:
                     why = "not paired (own init and data order)" if c.kind == "peer" else ""
                     warnings.append(
-                        why and f"{c.name}: parity unjudged: {why}" or unjudged_note(c.name, null)
+                        why and f"{c.name}: parity unjudged: {why}" or unjudged_note(c.name, used)
                     )
             else:
                 verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
@@ -625,6 +693,11 @@ def run_bench(
                     parity_gap=gap if math.isfinite(gap) else 1e9,
                     parity=verdict,
                     parity_sampling_error=sampling_error,
+                    parity_band_kind=None
+                    if used is None or c is contenders[0]
+                    else ("numerics" if used is numerics_null else "order"),
+                    parity_tolerance=used.threshold if used is not None else max(band, parity_floor),
+                    parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
                     mfu=mfu,
                     precision=c.precision,
                     noisy=noisy,
@@ -658,6 +731,7 @@ def run_bench(
                 "parity_noise_val_losses": [ref_val, *noise_losses],
                 "parity_window_tokens": pairing.windows.window_tokens if pairing else None,
                 "val_real_tokens": sum(ref_sums[1]) if ref_sums else None,
+                "parity_numerics_band": numerics_null.to_dict() if numerics_null else None,
                 "real_tokens_per_step": target,
                 "order": "interleaved A B C per round; medians over rounds",
             },

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import decisions, machine
-from ..bench.runner import run_bench
+from ..bench.runner import run_bench, same_batches
 from ..parity import PARITY_RESOLUTION, judge_paired, null_band
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
@@ -236,16 +236,30 @@ def optimize(
     )
 
     say(f"stage reference: {base} and {noise_seeds} null re-runs (another order inside each window)")
-    ref = run_bench(workload, [base], noise_seeds=noise_seeds, parity_floor=parity_floor, **common)
+    ref = run_bench(
+        workload,
+        [base],
+        noise_seeds=noise_seeds,
+        numerics_seeds=noise_seeds,
+        parity_floor=parity_floor,
+        **common,
+    )
     target = ref.method["real_tokens_per_step"]
     ref_val = ref.contenders[0].val_loss
     vals = ref.method["parity_noise_val_losses"]
     band = null_band(vals[0], vals[1:], parity_floor, resolution=parity_resolution)
+    numerics = ref.method.get("parity_numerics_band")
+    numerics_band = band
+    if numerics:  # for candidates with the base's batches (same shapes section): only numerics differ
+        nv = numerics["val_losses"]
+        numerics_band = null_band(
+            nv[0], nv[1:], parity_floor, resolution=parity_resolution, source=numerics["source"]
+        )
     detectable = band.detectable if band.detectable != float("inf") else None
     per_contender_s = ref.wall_s / (1 + noise_seeds)
     say(
         f"reference: {ref.contenders[0].real_tokens_per_s:,.0f} real tok/s; parity band {band.threshold:.2%}, "
-        f"would catch >= {band.detectable:.2%}" + ("" if band.judged else " (too wide: nothing can be kept)")
+        f"would catch >= {band.detectable:.2%}" + ("" if band.judged else " (too wide: no change of batching can be kept)")
     )
 
     best: list[str] = []
@@ -313,16 +327,18 @@ def optimize(
                 continue
             ratio = c.real_tokens_per_s / cur.real_tokens_per_s
             noise = max(cur_noise, c.real_tokens_per_s_iqr / c.real_tokens_per_s, MIN_GAIN)
-            verdict, gap = judge_paired(c.val_loss, ref_val, band)
+            used = numerics_band if same_batches(reference, resolve_recipe(spec)) else band
+            verdict, gap = judge_paired(c.val_loss, ref_val, used)
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
             cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
-            cand.parity_band, cand.parity_detectable_effect = band.threshold, detectable
+            cand.parity_band = used.threshold
+            cand.parity_detectable_effect = used.detectable if used.detectable != float("inf") else None
             if verdict == "fail":
-                cand.verdict = f"rejected: parity gap {gap:.2%} > {band.threshold:.2%}"
+                cand.verdict = f"rejected: parity gap {gap:.2%} > {used.threshold:.2%}"
             elif verdict == "unjudged":
                 cand.verdict = (
-                    f"rejected: parity unjudged: would catch >= {band.detectable:.1%} "
-                    f"(gap {gap:.2%}; a pass needs a run that sees {band.resolution:.0%})"
+                    f"rejected: parity unjudged: would catch >= {used.detectable:.1%} "
+                    f"(gap {gap:.2%}; a pass needs a run that sees {used.resolution:.0%})"
                 )
             elif ratio <= 1:
                 cand.verdict = f"rejected: slower ({ratio:.3f}x)"
