@@ -48,6 +48,11 @@ class LoadedModel:
     codec: ByteCodec | HFCodec = field(default_factory=ByteCodec)
     name: str = "slipstream-gpt"
     """The model id clients name in OpenAI requests (/v1/models)."""
+    saved_dtype: str = "fp32"
+    """The dtype the weights were saved in (fp32, bf16 or fp16): the model is loaded in it, and
+    `--quantize none` (the default) serves it unchanged."""
+    saved_dtype_source: str = "random init"
+    """Where saved_dtype was read: the config's dtype, the checkpoint's tensors, or a random init."""
 
     @property
     def kv(self) -> KVLayout:
@@ -105,6 +110,33 @@ class LoadedModel:
         return F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def _saved_state_dtype(state: dict[str, torch.Tensor], path: Path) -> tuple[str, str]:
+    """The one floating dtype of a checkpoint's tensors (fp32 when they mix or hold another)."""
+    found = {v.dtype for v in state.values() if torch.is_tensor(v) and v.is_floating_point()}
+    if len(found) == 1 and (d := next(iter(found))) in DTYPE_NAMES:
+        return DTYPE_NAMES[d], f"the tensors in {path.name}"
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in found)) or "none floating"
+    return "fp32", f"{path.name} holds {names}: loaded as fp32"
+
+
+def _saved_hf_dtype(folder: Path) -> tuple[str, str]:
+    """config.json's dtype (transformers 5 writes `dtype`, 4.x `torch_dtype`); fp32 when unset."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    raw = config.get("dtype") or config.get("torch_dtype")
+    names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    if raw is None:
+        return "fp32", "config.json sets no dtype: fp32"
+    if str(raw) not in names:
+        return "fp32", f"config.json dtype {raw}: loaded as fp32"
+    return names[str(raw)], f"config.json dtype {raw}"
+
+
 def _max_len_from_state(state: dict[str, torch.Tensor]) -> int | None:
     wpe = state.get("wpe.weight")
     return int(wpe.shape[0]) if wpe is not None else None
@@ -122,6 +154,7 @@ def load_model(
 
     state: dict[str, torch.Tensor] | None = None
     source = "random-init"
+    saved, saved_source = "fp32", "random init"
     if checkpoint is not None:
         path = Path(checkpoint)
         if path.is_dir():
@@ -155,6 +188,7 @@ def load_model(
             size = size or ck_size
         source = str(path)
         max_len = _max_len_from_state(state) or max_len
+        saved, saved_source = _saved_state_dtype(state, path)
     size = size or "small"
     model = get_workload(workload).model(size, max_len)
     if state is not None:
@@ -167,7 +201,7 @@ def load_model(
                 f"weights in {source} do not fit {workload}/{size}: missing {missing[:4]}, unexpected {unexpected[:4]}; "
                 "check --size"
             )
-    model.to(device).eval()
+    model.to(device, TORCH_DTYPES[saved]).eval()  # the weights as saved (load_state_dict cast them to fp32)
     cfg = getattr(model, "config", None)
     return LoadedModel(
         model=model,
@@ -176,6 +210,8 @@ def load_model(
         max_len=int(getattr(cfg, "max_len", max_len)),
         vocab_size=int(getattr(cfg, "vocab_size", 264)),
         source=source,
+        saved_dtype=saved,
+        saved_dtype_source=saved_source,
     )
 
 
@@ -196,9 +232,16 @@ def load_hf_model(
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     except ImportError as err:
         raise RecipeError(f"--model needs transformers: pip install 'slipstream[hf]' ({err})") from err
+    saved, saved_source = _saved_hf_dtype(path)
     try:
+        # The dtype is passed, not left to transformers: 4.x loads fp32 whatever was saved, 5.x the
+        # config's dtype; served answers should equal `generate` on the model as the user saved it.
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, use_safetensors=True, attn_implementation="sdpa"
+            path,
+            local_files_only=True,
+            use_safetensors=True,
+            attn_implementation="sdpa",
+            dtype=TORCH_DTYPES[saved],
         )
     except (OSError, ValueError) as err:
         raise RecipeError(
@@ -235,4 +278,6 @@ def load_hf_model(
         family="hf",
         codec=HFCodec(tokenizer, eos_ids, pad),
         name=name or path.resolve().name,
+        saved_dtype=saved,
+        saved_dtype_source=saved_source,
     )

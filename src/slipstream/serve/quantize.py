@@ -1,8 +1,8 @@
 """Serving-time quantization via torchao, and the validation-loss delta it costs, measured.
 
-Modes: "none" (fp32), "bf16" (weights cast to bfloat16), "int8-weight-only" (torchao
-Int8WeightOnlyConfig) and "int8-dynamic" (Int8DynamicActivationInt8WeightConfig: int8 activations
-quantised per token at run time). Every linear layer but the LM head is quantised (the built-in GPT's
+Modes: "none" (the weights as saved: fp32 unless the model was saved in another dtype), "bf16"
+(weights cast to bfloat16), "int8-weight-only" (torchao Int8WeightOnlyConfig) and "int8-dynamic"
+(Int8DynamicActivationInt8WeightConfig: int8 activations quantised per token at run time). Every linear layer but the LM head is quantised (the built-in GPT's
 blocks; a Hugging Face model's attention and MLP projections); the LM head stays in full precision
 (it is tied to the input embedding in many models, and quantising it would untie them).
 Quantisation changes the model in place (torchao's `quantize_`) — pass a copy to keep the original.
@@ -13,11 +13,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from ..recipe import RecipeError
 from .model import LoadedModel
@@ -87,6 +89,71 @@ def validation_loss(
         total += float(loaded.token_nll(runner, x.to(device), y.to(device)).double().sum())
         count += int((y != -100).sum())
     return total / max(count, 1)
+
+
+@dataclass(frozen=True)
+class CastQuality:
+    """What casting the served weights cost, measured at start-up (`serve --quantize auto`)."""
+
+    mode: str
+    saved_dtype: str
+    loss_saved_nats: float
+    loss_served_nats: float
+    top1_agreement: float
+    """Share of positions where the cast model's most likely next token is the saved model's."""
+    positions: int
+    docs: int
+
+    @property
+    def loss_delta_nats(self) -> float:
+        return self.loss_served_nats - self.loss_saved_nats
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return {**asdict(self), "loss_delta_nats": self.loss_delta_nats}
+
+    def describe(self) -> str:
+        return (
+            f"measured on {self.docs} validation documents ({self.positions:,} positions): validation loss "
+            f"{self.loss_delta_nats:+.4f} nats vs the saved {self.saved_dtype} weights "
+            f"({self.loss_saved_nats:.4f} -> {self.loss_served_nats:.4f}), greedy next token unchanged at "
+            f"{self.top1_agreement:.1%} of positions"
+        )
+
+
+@torch.inference_mode()
+def _loss_and_top1(loaded: LoadedModel, docs: list[np.ndarray]) -> tuple[float, list[Tensor], int]:
+    """Mean next-token loss (nats) and the argmax token at every position, one document at a time."""
+    device = next(loaded.model.parameters()).device
+    total, count, top1 = 0.0, 0, []
+    for d in docs:
+        x = torch.as_tensor(d[:-1], dtype=torch.long, device=device)[None]
+        y = torch.as_tensor(d[1:], dtype=torch.long, device=device)
+        if loaded.family == "gpt":
+            logits = loaded.model(x)[0].float()
+        else:
+            logits = loaded.model(input_ids=x, use_cache=False).logits[0].float()
+        total += float(F.cross_entropy(logits, y, reduction="sum"))
+        count += len(y)
+        top1.append(logits.argmax(-1))
+    return total / max(count, 1), top1, count
+
+
+def measure_cast(loaded: LoadedModel, mode: str, docs: list[np.ndarray]) -> CastQuality:
+    """Quantise `loaded.model` in place to `mode`, measuring the validation loss and the greedy
+    next token on `docs` before and after (no copy of the model is made)."""
+    before, top_before, positions = _loss_and_top1(loaded, docs)
+    quantize_model(loaded.model, mode)
+    after, top_after, _ = _loss_and_top1(loaded, docs)
+    same = sum(int((a == b).sum()) for a, b in zip(top_before, top_after))
+    return CastQuality(
+        mode=mode,
+        saved_dtype=loaded.saved_dtype,
+        loss_saved_nats=before,
+        loss_served_nats=after,
+        top1_agreement=same / max(positions, 1),
+        positions=positions,
+        docs=len(docs),
+    )
 
 
 @torch.inference_mode()

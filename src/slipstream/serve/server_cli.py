@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 from ..commands import add_command, check_limits
 from ..files import write_json
@@ -17,7 +20,8 @@ EXAMPLES = """examples:
   slipstream serve --model runs/a/export --compile-decode --generate-latency-budget-ms 10000
   slipstream serve --workload gpt-stdlib --checkpoint runs/a/checkpoint.pt --port 8000
   slipstream serve --size small --dtype bf16 --max-batch-size 32 --latency-budget-ms 200
-  slipstream serve --size small --compile --workers 2 --threads 1   # --quantize auto: bf16 where it pays
+  slipstream serve --size small --compile --workers 2 --threads 1   # the weights as saved (fp32 here)
+  slipstream serve --size small --compile --quantize auto          # bf16 where the probe says it pays
   slipstream serve --size small --quantize bf16 --compile          # bf16 weights whatever the probe says
   slipstream serve --checkpoint runs/a --quantize int8-dynamic --generate-slots 8
   curl -s 127.0.0.1:8000/v1/score -d '{"text": "def f(x):\\n    return x\\n"}' -H 'content-type: application/json'
@@ -26,18 +30,106 @@ EXAMPLES = """examples:
 """
 
 
-def resolve_quantize(quantize: str, dtype: str, device, probe=None):
-    """`--quantize auto` -> a mode, with its reason (a `decisions.Decision`): bf16 weights only where
-    the machine probe measured bf16 matmuls faster than fp32 (they run ~75x slower on AVX2-only
-    CPUs and ~0.55x on an Intel AVX512-BF16 one without AMX), else none; int8 is never picked by auto
-    (it changes answers more: measure it with `quantize-eval`). An explicit mode is kept."""
+AUTO_EVAL_DOCS = 16
+"""`--quantize auto` measures what its cast costs on this many validation documents at start-up."""
+AUTO_EVAL_TOKENS = 256
+"""... each cut to this many tokens (two forwards of 16 x 256 tokens: seconds on a CPU)."""
+
+
+def resolve_quantize(quantize: str, dtype: str, device, probe=None, saved: str = "fp32"):
+    """`--quantize` -> a mode, with its reason (a `decisions.Decision`).
+
+    `none` (the default) serves the weights in the dtype they were saved in (`saved`), so served
+    answers equal the model's own `generate`. `auto` casts fp32 weights to bf16 only where the
+    machine probe measured bf16 matmuls faster than fp32 (they run ~75x slower on AVX2-only CPUs and
+    ~0.55x on an Intel AVX512-BF16 one without AMX), else none; int8 is never picked by auto (it
+    changes answers more: measure it with `quantize-eval`). Another explicit mode is kept."""
     from ..decisions import Decision, decide_serve_quantize
 
+    if quantize == "none":
+        return Decision("serve.quantize", "none", f"the weights as saved ({saved}); --quantize auto casts")
     if quantize != "auto":
         return Decision("serve.quantize", quantize, "set on the command line")
     if dtype == "bf16":
-        return Decision("serve.quantize", "none", "--dtype bf16 given: fp32 weights under bf16 autocast")
+        return Decision("serve.quantize", "none", f"--dtype bf16 given: {saved} weights under bf16 autocast")
+    if saved != "fp32":
+        return Decision(
+            "serve.quantize", "none", f"the weights were saved in {saved}: auto casts fp32 weights only"
+        )
     return decide_serve_quantize(device, probe)
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """The dtype `serve` runs the weights in, the `--quantize` decision behind it, and (for a cast
+    chosen by `auto`) what the cast measured at start-up."""
+
+    decision: Any
+    """decisions.Decision: the mode and why."""
+    saved_dtype: str
+    saved_dtype_source: str
+    quality: Any = None
+    """quantize.CastQuality, when `--quantize auto` cast the weights."""
+
+    @property
+    def dtype(self) -> str:
+        mode = self.decision.choice
+        if mode == "none":
+            return self.saved_dtype
+        return "bf16" if mode == "bf16" else f"{mode} (body linears; the rest {self.saved_dtype})"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            **self.decision.to_dict(),
+            "served_dtype": self.dtype,
+            "saved_dtype": self.saved_dtype,
+            "saved_dtype_source": self.saved_dtype_source,
+        }
+        if self.quality is not None:
+            out["quality"] = self.quality.to_dict()
+        return out
+
+
+def quantize_eval_command(args: argparse.Namespace, served: str) -> str:
+    """The `slipstream quantize-eval` command that prices the cheaper modes against the served one."""
+    if args.model:
+        which = ["--model", args.model]
+    else:
+        which = ["--workload", args.workload] + (["--size", args.size] if args.size else [])
+        which += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    modes = "none,bf16" if served in ("fp32", "fp16") else "none,int8-weight-only,int8-dynamic"
+    return shlex.join(["slipstream", "quantize-eval", *which, "--modes", modes])
+
+
+def apply_quantize(args: argparse.Namespace, loaded, device, probe=None) -> ServedWeights:
+    """Decide `--quantize`, cast or quantise the weights in place, and say on stderr which dtype is
+    served, why, and how to price the other choice (`auto`: what its cast measured)."""
+    from .quantize import evaluation_docs, measure_cast, quantize_model
+
+    decision = resolve_quantize(args.quantize, args.dtype, device, probe, saved=loaded.saved_dtype)
+    quality = None
+    if args.quantize == "auto" and decision.choice != "none":
+        L = min(AUTO_EVAL_TOKENS, loaded.max_len)
+        docs = [d[:L] for d in evaluation_docs(loaded, None, AUTO_EVAL_DOCS) if len(d) >= 2]
+        quality = measure_cast(loaded, decision.choice, docs)
+    else:
+        quantize_model(loaded.model, decision.choice)
+    served = ServedWeights(decision, loaded.saved_dtype, loaded.saved_dtype_source, quality)
+    say = lambda line: print(f"slipstream serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"serving weights in {served.dtype} (saved: {loaded.saved_dtype}, from {loaded.saved_dtype_source})")
+    if args.quantize == "auto":
+        say(f"--quantize auto -> {decision.choice}: {decision.reason}")
+        if quality is not None:
+            say(
+                f"--quantize auto cast cost, {quality.describe()}; --quantize none serves the weights as "
+                f"saved; measure on your own text: {quantize_eval_command(args, loaded.saved_dtype)} --data FILE"
+            )
+    elif decision.choice == "none":
+        say(
+            "cheaper weights change answers a little and may be faster here; price them first: "
+            + quantize_eval_command(args, served.dtype)
+        )
+    return served
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -97,8 +189,8 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def build_app_from_args(args: argparse.Namespace):
-    """The FastAPI app, score engine, loaded model and the `--quantize` decision the `serve` flags
-    describe."""
+    """The FastAPI app, score engine, loaded model and the served weights (`ServedWeights`: the
+    `--quantize` decision and the dtype) the `serve` flags describe."""
     check_serve_args(args)
     import torch
 
@@ -108,7 +200,6 @@ def build_app_from_args(args: argparse.Namespace):
     from .app import create_app
     from .engine import EngineConfig, ScoreEngine
     from .model import load_model
-    from .quantize import quantize_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,14 +218,7 @@ def build_app_from_args(args: argparse.Namespace):
             from dataclasses import replace
 
             loaded = replace(loaded, name=args.served_model_name)
-    decision = resolve_quantize(args.quantize, args.dtype, device)
-    if args.quantize == "auto":
-        print(
-            f"slipstream serve: --quantize auto -> {decision.choice}: {decision.reason}",
-            file=sys.stderr,
-            flush=True,
-        )
-    quantize_model(loaded.model, decision.choice)
+    served = apply_quantize(args, loaded, device)
     lengths = None
     if not args.model:
         try:
@@ -182,13 +266,13 @@ def build_app_from_args(args: argparse.Namespace):
         drain_timeout_s=args.drain_timeout,
         progress=lambda line: print(f"slipstream serve: {line}", file=sys.stderr, flush=True),
     )
-    return app, engine, loaded, decision
+    return app, engine, loaded, served
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .app import run_server
 
-    app, engine, loaded, quantize = build_app_from_args(args)
+    app, engine, loaded, served = build_app_from_args(args)
     print(
         f"slipstream serve: {loaded.workload}/{loaded.size} '{loaded.name}' from {loaded.source}, "
         f"{len(engine.plan.shapes)} shapes, lengths {list(engine.plan.lengths)}; "
@@ -208,7 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "failed_batches": stats.failed_batches,
         "shapes_run": stats.shapes_run,
         "shape_latency_s": {f"{b}x{L}": t for (b, L), t in engine.plan.latency_s.items()},
-        "quantize": quantize.to_dict(),
+        "quantize": served.to_dict(),
     }
     write_json(args.json, summary)
     print(f"slipstream serve: drained; {stats.requests} requests in {stats.batches} batches", file=sys.stderr)
@@ -241,9 +325,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--quantize",
-        default="auto",
-        help="auto (default: bf16 weights where the machine probe measured bf16 faster than fp32, "
-        "else none), none, bf16, int8-weight-only, int8-dynamic (torchao)",
+        default="none",
+        help="none (default: the weights in the dtype they were saved in: config.json's dtype, the "
+        "checkpoint's tensors, fp32 when unset), auto (bf16 weights where the machine probe measured "
+        "bf16 faster than fp32; logs what the cast measured), bf16, int8-weight-only, int8-dynamic (torchao)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
