@@ -223,12 +223,15 @@ def train(
     # A resumed run keeps the `auto` choices it made (a new trial could pick another data order).
     earlier = saved["session"].get("decisions") if saved is not None else None  # type: ignore[union-attr]
     session = Session(recipe, decisions=earlier)
+    finished = False
     try:
-        return _train(
+        result = _train(
             session, wl, workload, size, recipe, steps, identity, saved, existing, folder,
             eval_every=eval_every, eval_batches=eval_batches, checkpoint_every=checkpoint_every,
             progress=progress, log_every=log_every, on_eval=on_eval, export_dir=export_dir,
         )  # fmt: skip
+        finished = True
+        return result
     except (torch.distributed.DistError, RuntimeError) as err:
         if env.active and _is_collective_failure(err):
             raise rank_failure(err, env, recipe.distributed.timeout_s) from err
@@ -236,7 +239,7 @@ def train(
     finally:
         session.close()  # process-wide switches (deterministic algorithms) back as they were
         if env.active:
-            destroy_process_group()
+            destroy_process_group(barrier=finished)  # ranks that finished leave together
 
 
 def _existing_checkpoint(folder: Path | None) -> Path | None:

@@ -102,9 +102,20 @@ def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
-def destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_process_group(barrier: bool = False) -> None:
+    """Leave the process group. `barrier=True` (a run that ended normally on this rank) first waits
+    until every rank has reached its teardown, so no rank closes its gloo connections, and exits,
+    while a peer may still be exchanging with it (gloo raises a peer's closed connection inside its
+    own I/O thread, where it aborts the process). A rank that failed skips it: its peers may be
+    dead, and they learn of the failure from their own collectives."""
+    if not dist.is_initialized():
+        return
+    if barrier:
+        try:
+            dist.barrier()
+        except (dist.DistError, RuntimeError):
+            pass  # a peer failed after this rank's last collective: nothing is left to wait for
+    dist.destroy_process_group()
 
 
 def agree(value: Any, env: DistEnv) -> Any:
