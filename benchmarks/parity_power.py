@@ -27,12 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
-from slipstream.bench.faults import fault_contenders, lr_times
-from slipstream.bench.runner import run_bench
-from slipstream.doctor import machine_info
-from slipstream.files import write_json
-from slipstream.workloads import get_workload
-from slipstream.workloads.registry import WORKLOADS, Workload, WorkloadData, register_workload
+# this folder's kernels.py would shadow the `kernels` package transformers imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from slipstream.bench.faults import fault_contenders, lr_times  # noqa: E402
+from slipstream.bench.runner import run_bench  # noqa: E402
+from slipstream.doctor import machine_info  # noqa: E402
+from slipstream.files import write_json  # noqa: E402
+from slipstream.workloads import get_workload  # noqa: E402
+from slipstream.workloads.registry import WORKLOADS, Workload, WorkloadData, register_workload  # noqa: E402
 
 HARMLESS = ("bucket", "pack", "baseline+optimizer.impl=fused", "bf16")
 LLAMA_VOCAB = 2048

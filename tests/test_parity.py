@@ -102,7 +102,7 @@ def test_paired_contenders_share_the_references_init_and_steps(frozen_runs):
     assert m["parity_detectable_effect"] == pytest.approx(band.detectable)
     # its batches are the reference's: judged on the numerics band (rows permuted inside each batch)
     nb = m["parity_numerics_band"]
-    assert frozen["parity_band_kind"] == "numerics" and len(nb["val_losses"]) == 3
+    assert frozen["parity_band_kind"] == "numerics" and len(nb["val_losses"]) == 2
     numerics = null_band(nb["val_losses"][0], nb["val_losses"][1:], m["parity_floor"])
     assert frozen["parity_tolerance"] == pytest.approx(numerics.threshold)
 

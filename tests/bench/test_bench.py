@@ -113,13 +113,15 @@ def test_a_custom_contender_runs_beside_the_recipes():
     assert built == [res.method["real_tokens_per_step"]]
 
 
-def test_parity_is_judged_against_the_seed_band_measured_in_the_run(result):
-    from slipstream.parity import judge_parity, noise_band
+def test_parity_is_judged_against_the_null_band_measured_in_the_run(result):
+    from slipstream.parity import judge_parity, noise_band, null_band
 
     m = result["method"]
-    assert len(m["parity_noise_val_losses"]) == 3  # the reference and two re-runs with other seeds
-    assert m["parity_noise_band"] == pytest.approx(noise_band(m["parity_noise_val_losses"]))
-    assert m["parity_tolerance"] == max(m["parity_noise_band"], m["parity_floor"])
+    vals = m["parity_noise_val_losses"]
+    assert len(vals) == 3  # the reference and two re-runs with another order inside each window
+    assert m["parity_design"] == "paired"
+    assert m["parity_noise_band"] == pytest.approx(noise_band(vals))
+    assert m["parity_tolerance"] == pytest.approx(null_band(vals[0], vals[1:], m["parity_floor"]).threshold)
     assert noise_band([3.0, 3.06, 2.94]) == pytest.approx(0.04)
     assert judge_parity(3.05, 3.0, 0.02, 0.002)[0] == "pass"
     assert judge_parity(3.07, 3.0, 0.02, 0.002)[0] == "fail"
