@@ -447,6 +447,18 @@ class Session:
             return loader
         return PrefetchLoader(loader, flow.prefetch_depth, device=self.device, on_batch=self.tracker.on_batch)
 
+    def _trial_loader(self, sequences: Sequence, cfg, pad_id: int, lengths) -> ShapedLoader:
+        """A loader under `cfg` on the device, for a trial of an `auto` choice (not the run's own)."""
+        return ShapedLoader(
+            sequences,
+            cfg,
+            seed=self.recipe.runtime.seed,
+            device=self.device,
+            pad_id=pad_id,
+            lengths=lengths,
+            convention=self.convention,
+        )
+
     def _searches_batch(self, cfg) -> bool:
         """shapes.batch_search=auto on CUDA with tokens_per_batch at its default (not pinned)."""
         from .recipe import ShapesConfig
@@ -466,15 +478,7 @@ class Session:
         model = getattr(self.local_model, "_orig_mod", self.local_model)  # eager: a trial must not compile
 
         def batches_at(tokens: int):
-            loader = ShapedLoader(
-                sequences,
-                replace(cfg, tokens_per_batch=tokens),
-                seed=self.recipe.runtime.seed,
-                device=self.device,
-                pad_id=pad_id,
-                lengths=lengths,
-                convention=self.convention,
-            )
+            loader = self._trial_loader(sequences, replace(cfg, tokens_per_batch=tokens), pad_id, lengths)
             for i, batch in enumerate(loader):
                 if i >= 4:
                     break
@@ -600,15 +604,7 @@ class Session:
             return Decision("shapes.mode", "pack", "fsdp: not measured (packing is exact for this model)")
         model = getattr(self.local_model, "_orig_mod", self.local_model)  # eager: a trial must not compile
         loaders = {
-            mode: ShapedLoader(
-                sequences,
-                replace(cfg, mode=mode),
-                seed=self.recipe.runtime.seed,
-                device=self.device,
-                pad_id=pad_id,
-                lengths=lengths,
-                convention=self.convention,
-            )  # fmt: skip
+            mode: self._trial_loader(sequences, replace(cfg, mode=mode), pad_id, lengths)
             for mode in ("bucket", "pack")
         }
         try:
