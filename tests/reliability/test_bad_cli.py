@@ -34,7 +34,11 @@ CASES = [
     ),
     Case("recipe-unknown-field", "train --recipe {bad}/unknown_field.toml", ("shapes.max_lenn", "max_len")),
     Case("recipe-wrong-type", "train --recipe {bad}/wrong_type.toml", ("shapes.max_len='long'", "integer")),
-    Case("recipe-out-of-range", "train --recipe {bad}/out_of_range.toml", ("shapes.max_len=-5", ">= 2")),
+    Case(
+        "recipe-out-of-range",
+        "train --recipe {bad}/out_of_range.toml",
+        ("shapes.max_len=-5", "between 2 and"),
+    ),
     Case("recipe-nan", "train --recipe {bad}/nan.toml", ("optimizer.lr=nan", "finite number")),
     Case("recipe-not-a-table", "train --recipe {bad}/list.json", ("table/object of sections",)),
     Case("recipe-binary", "train --recipe {bad}/binary.toml", ("not valid TOML", "--save FILE")),

@@ -466,26 +466,21 @@ def run_bench(
             target = real_tokens_per_step(c.loader)
     noise: list[Contender] = []
     base_seed = specs[0].runtime.seed
+
+    def null_run(spec: str, name: str, **seeds: int) -> RecipeContender:
+        """A re-run of the reference for a null band: another order (order_seed) or rows (row_seed)."""
+        return RecipeContender(
+            spec, workload, size, data, val_batches, specs[0],
+            real_tokens_per_step=target, name=name, pairing=pairing, **seeds,
+        )  # fmt: skip
+
     for k in range(1, noise_seeds + 1):
         if paired:  # same init, same windows, another order inside each window
             spec, name = recipes[0], f"{recipes[0]} (null: window order {k})"
         else:
             spec = name = f"{recipes[0]}+runtime.seed={base_seed + k}"
         say(f"building {name} (noise band)")
-        noise.append(
-            RecipeContender(
-                spec,
-                workload,
-                size,
-                data,
-                val_batches,
-                specs[0],
-                real_tokens_per_step=target,
-                name=name,
-                pairing=pairing,
-                order_seed=k,
-            )  # fmt: skip
-        )
+        noise.append(null_run(spec, name, order_seed=k))
     numerics: list[Contender] = []
     if numerics_seeds is None:  # auto: 1, where a contender shares the reference's batches (its
         # spread is ~1e-5 here, so even t(0.995, 1 df) leaves the floor in charge; one run keeps the cost)
@@ -494,20 +489,7 @@ def run_bench(
         for k in range(1, numerics_seeds + 1):
             name = f"{recipes[0]} (null: row order {k})"
             say(f"building {name} (numerics band)")
-            numerics.append(
-                RecipeContender(
-                    recipes[0],
-                    workload,
-                    size,
-                    data,
-                    val_batches,
-                    specs[0],
-                    real_tokens_per_step=target,
-                    name=name,
-                    pairing=pairing,
-                    row_seed=k,
-                )  # fmt: skip
-            )
+            numerics.append(null_run(recipes[0], name, row_seed=k))
     for peer in peers or []:
         try:
             say(f"building peer {peer}")

@@ -151,19 +151,15 @@ def _shape(op: str, w: OpWidths, dtype: torch.dtype) -> str:
 
 def _forward(op: str, backend: str) -> Callable:
     """The op's forward on ``backend``, called with ``_inputs``' tuple (``keep`` = torch's reference)."""
-    from . import (
-        cross_entropy,
-        fused_linear_cross_entropy,
-        gelu_tanh,
-        layer_norm,
-        reference,
-        rms_norm,
-        swiglu,
-    )
+    # submodules, not the package: the package imports swap, which imports this module
+    from .activations import gelu_tanh, swiglu
+    from .alternatives import _REFERENCE
+    from .cross_entropy import cross_entropy
+    from .fused_linear_cross_entropy import fused_linear_cross_entropy
+    from .norms import layer_norm, rms_norm
 
     if backend == KEEP:
-        ref = {"linear_cross_entropy": reference.linear_cross_entropy}.get(op, getattr(reference, op))
-        return ref
+        return _REFERENCE[op]
     ours = {
         "rms_norm": rms_norm,
         "layer_norm": layer_norm,
