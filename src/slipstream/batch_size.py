@@ -19,6 +19,7 @@ so tests feed it measurements.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ def step_timer(
     at each size (after one warm-up step), real tokens/s and the peak allocation."""
 
     def measure(tokens: int) -> tuple[float, int | None]:
-        batches = list(batches_at(tokens))[: steps + 1]
+        batches = list(itertools.islice(batches_at(tokens), steps + 1))  # one warm-up + `steps`
         if not batches:
             raise ValueError(f"no batch at {tokens} tokens per batch")
         torch.cuda.reset_peak_memory_stats(device)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import machine
+from .errors import RecipeError
 from .machine import BUSY_LOAD_PER_THREAD, MachineProbe
 
 PAYS_RATIO = 1.15
@@ -98,8 +99,6 @@ def decide_tf32(
     """precision.tf32: whether fp32 matmuls run as TF32 on tensor cores. `on` is refused off CUDA;
     `auto` turns it on only for fp32 compute on CUDA where the probe measured TF32 matmuls at least
     PAYS_RATIO x plain fp32's (a cached probe from before TF32 was measured says to refresh)."""
-    from .errors import RecipeError
-
     device = torch.device(device)
     if requested == "off":
         return Decision("precision.tf32", "off", "off: plain fp32 matmuls (torch's default)")

@@ -478,11 +478,7 @@ class Session:
         model = getattr(self.local_model, "_orig_mod", self.local_model)  # eager: a trial must not compile
 
         def batches_at(tokens: int):
-            loader = self._trial_loader(sequences, replace(cfg, tokens_per_batch=tokens), pad_id, lengths)
-            for i, batch in enumerate(loader):
-                if i >= 4:
-                    break
-                yield batch
+            return self._trial_loader(sequences, replace(cfg, tokens_per_batch=tokens), pad_id, lengths)
 
         measure = step_timer(model, batches_at, self.autocast, self.device, loss_of)
         memory = torch.cuda.get_device_properties(self.device).total_memory

@@ -239,9 +239,7 @@ def measure(
 
 
 def _runner(op: str, backend: str, inputs: tuple, compiled_keep: bool) -> Callable[[], None]:
-    fn = _forward(op, backend)
-    if backend == KEEP and compiled_keep:
-        fn = alternative(op, "compile")
+    fn = alternative(op, "compile") if backend == KEEP and compiled_keep else _forward(op, backend)
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def run() -> None:

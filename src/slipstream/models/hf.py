@@ -124,7 +124,7 @@ def apply_hf_kernels(model: nn.Module, ops: str | Sequence[str], device: torch.d
 
     Under ``auto`` each op this model has is timed against the model's own code by ``chooser``
     (slipstream.kernels.chooser) and swapped only where a candidate wins."""
-    from ..kernels import resolve_backend
+    from ..kernels import apply_kernels, resolve_backend
     from ..kernels.swap import KernelSwapReport, active_ops, parse_ops, present_ops
 
     prepare_forward(model)
@@ -145,7 +145,7 @@ def apply_hf_kernels(model: nn.Module, ops: str | Sequence[str], device: torch.d
     report.backends = {op: b for op, b in active.items() if op in present}
     by_module = [op for op in report.backends if op not in ("linear_cross_entropy", "swiglu")]
     for op in by_module:  # one backend per op: swapped op by op
-        done = _apply_module_kernels(model, [op], device, report.backends[op])
+        done = apply_kernels(model, [op], device, backend=report.backends[op])
         report.swapped.update(done.swapped)
     if "linear_cross_entropy" in report.backends:
         model._slipstream_fused_head = report.backends["linear_cross_entropy"]  # type: ignore[attr-defined]
@@ -156,9 +156,3 @@ def apply_hf_kernels(model: nn.Module, ops: str | Sequence[str], device: torch.d
         if op not in present and op not in report.skipped:
             report.skipped[op] = "not in this model"
     return report
-
-
-def _apply_module_kernels(model: nn.Module, ops: list[str], device: torch.device, backend: str):
-    from ..kernels import apply_kernels
-
-    return apply_kernels(model, ops, device, backend=backend)
