@@ -68,6 +68,33 @@ def start_server(port: int, threads: int) -> subprocess.Popen:
     raise SystemExit("server not ready in 120 s")
 
 
+def mappings(pid: int) -> dict[str, int]:
+    """Resident KiB per mapping of the process (`/proc/PID/smaps`), keyed by start address and what
+    backs it, so two readings show which region grew: the main heap, an anonymous mmap (a glibc
+    arena, a large tensor, a thread stack) or a file."""
+    regions: dict[str, int] = {}
+    key = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            key = f"{head[0].split('-')[0]} {head[5] if len(head) > 5 else '[anon]'}"
+        elif head[0] == "Rss:" and key is not None:
+            regions[key] = regions.get(key, 0) + int(head[1])
+    return regions
+
+
+def by_kind(regions: dict[str, int]) -> dict[str, float]:
+    kinds = {"heap_mib": 0, "anon_mib": 0, "file_mib": 0, "other_mib": 0}
+    for key, kib in regions.items():
+        backing = key.split(" ", 1)[1]
+        kind = (
+            "heap_mib" if backing == "[heap]" else "anon_mib" if backing == "[anon]"
+            else "file_mib" if backing.startswith("/") else "other_mib"
+        )  # fmt: skip
+        kinds[kind] += kib
+    return {k: round(v / 1024, 2) for k, v in kinds.items()}
+
+
 def sample(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
@@ -75,7 +102,19 @@ def sample(pid: int) -> dict:
         "rss_mib": round(rss_kib / 1024, 1),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "threads": len(os.listdir(f"/proc/{pid}/task")),
+        **by_kind(mappings(pid)),
     }
+
+
+def region_growth(before: dict[str, int], after: dict[str, int], top: int = 8) -> list[dict]:
+    """The mappings whose resident size changed most between two readings."""
+    keys = set(before) | set(after)
+    diffs = sorted(keys, key=lambda k: -abs(after.get(k, 0) - before.get(k, 0)))[:top]
+    return [
+        {"region": k, "kib_before": before.get(k, 0), "kib_after": after.get(k, 0),
+         "kib_diff": after.get(k, 0) - before.get(k, 0)}
+        for k in diffs
+    ]  # fmt: skip
 
 
 def confirm(rate: float, mixed, confirmations: list[dict], args: argparse.Namespace) -> float:
@@ -175,9 +214,14 @@ def main() -> None:
         stop = threading.Event()
         t0 = time.monotonic()
 
+        regions_at: dict[str, dict[str, int]] = {}
+
         def watch() -> None:
             while not stop.is_set():
-                samples.append({"t_s": round(time.monotonic() - t0, 1), **sample(server.pid)})
+                t = time.monotonic() - t0
+                samples.append({"t_s": round(t, 1), **sample(server.pid)})
+                if "minute_2" not in regions_at and t >= 60:
+                    regions_at["minute_2"] = mappings(server.pid)
                 stop.wait(10)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -194,6 +238,7 @@ def main() -> None:
         stop.set()
         watcher.join()
         samples.append({"t_s": round(time.monotonic() - t0, 1), **sample(server.pid)})
+        regions_at["end"] = mappings(server.pid)
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -228,6 +273,9 @@ def main() -> None:
         "exit_code": server.returncode,
         "start_minute_2": {k: med(first, k) for k in ("rss_mib", "fds", "threads")},
         "end_last_minute": {k: med(last, k) for k in ("rss_mib", "fds", "threads")},
+        "kinds_minute_2": {k: med(first, k) for k in ("heap_mib", "anon_mib", "file_mib", "other_mib")},
+        "kinds_last_minute": {k: med(last, k) for k in ("heap_mib", "anon_mib", "file_mib", "other_mib")},
+        "region_growth": region_growth(regions_at.get("minute_2", {}), regions_at.get("end", {})),
         "samples": samples,
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=2, default=str))

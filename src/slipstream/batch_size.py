@@ -37,6 +37,15 @@ MAX_TOKENS = 1 << 20
 """Never search past this many tokens per batch."""
 
 
+def searches_batch(cfg, device: torch.device) -> bool:
+    """Whether tokens per batch is searched: `shapes.batch_search=auto` on CUDA with
+    `shapes.tokens_per_batch` at its default (a size the user pinned is theirs)."""
+    from .recipe import ShapesConfig
+
+    default = ShapesConfig.__dataclass_fields__["tokens_per_batch"].default
+    return cfg.batch_search == "auto" and device.type == "cuda" and cfg.tokens_per_batch == default
+
+
 class OutOfMemory(RuntimeError):
     """A trial step did not fit (raised by measure functions; torch's OOM is caught as well)."""
 

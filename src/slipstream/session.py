@@ -460,16 +460,11 @@ class Session:
         )
 
     def _searches_batch(self, cfg) -> bool:
-        """shapes.batch_search=auto on CUDA with tokens_per_batch at its default (not pinned)."""
-        from .recipe import ShapesConfig
+        """shapes.batch_search=auto on CUDA with tokens_per_batch at its default (not pinned), once
+        the model is known."""
+        from .batch_size import searches_batch
 
-        default = ShapesConfig.__dataclass_fields__["tokens_per_batch"].default
-        return (
-            cfg.batch_search == "auto"
-            and self.device.type == "cuda"
-            and cfg.tokens_per_batch == default
-            and self.local_model is not None
-        )
+        return searches_batch(cfg, self.device) and self.local_model is not None
 
     def _decide_tokens_per_batch(self, sequences: Sequence, cfg, *, pad_id: int, lengths) -> Decision:
         """Tokens per batch by the knee of measured tokens/s on this model (slipstream.batch_size)."""
@@ -499,7 +494,7 @@ class Session:
 
         shapes = self.recipe.shapes
         row = min(shapes.max_len, 1024)
-        rows = max(1, shapes.tokens_per_batch // row)
+        rows = max(1, self._step_tokens() // row)
         vocab = model_widths(model, rows).vocab
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (rows, row), generator=gen).to(self.device)
@@ -516,8 +511,15 @@ class Session:
         with torch.random.fork_rng(devices=[self.device]):
             return measure_compile(model, step_of, self.device)
 
+    def _step_tokens(self) -> int:
+        """Tokens per batch the run will step at, as far as known when the model is prepared: a
+        searched size already decided (bench adopts its reference's before building the model), else
+        the recipe's."""
+        searched = self.decisions.get("shapes.tokens_per_batch")
+        return int(searched["choice"]) if searched else self.recipe.shapes.tokens_per_batch
+
     def _kernel_chooser(self):
-        """kernels.ops=auto: time at the recipe's tokens per batch in the compute dtype, knowing
+        """kernels.ops=auto: time at the run's tokens per batch in the compute dtype, knowing
         whether the whole model will be compiled; a resumed run installs its earlier choices."""
         if self.recipe.kernels.ops != "auto":
             return None
@@ -527,7 +529,7 @@ class Session:
             self.precision, torch.bfloat16 if self.precision == "fp8" else torch.float32
         )
         return KernelChooser(
-            rows=self.recipe.shapes.tokens_per_batch,
+            rows=self._step_tokens(),
             dtype=dtype,
             compiled_model=self.recipe.compile.mode not in ("off", "auto"),
             fixed=_resumed_kernels(self.decisions),

@@ -118,3 +118,16 @@ def test_the_session_records_each_ops_verdict(compiled):
     assert "fwd+bwd at 256x16 @ 41x16 float32" in d["kernels.linear_cross_entropy"]["reason"]
     assert d["kernels.layer_norm"]["choice"] == KEEP
     assert d["kernels.ops"]["choice"] in ("none", "linear_cross_entropy=torch")
+
+
+def test_the_chooser_times_at_a_searched_size_already_adopted():
+    """bench adopts its reference's searched tokens per batch before the model is prepared: the
+    kernels are then timed at that size, not at the recipe's default."""
+    from slipstream import KernelsConfig, Recipe, Session
+    from slipstream.bench.reference_batch import adopt
+    from slipstream.decisions import Decision
+
+    session = Session(Recipe(kernels=KernelsConfig(ops="auto")))
+    assert session._kernel_chooser().rows == 8192
+    adopt(session, Decision("shapes.tokens_per_batch", "65536", "the knee"))
+    assert session._kernel_chooser().rows == 65536

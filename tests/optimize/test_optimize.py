@@ -148,3 +148,22 @@ def test_the_bucket_count_is_refined_by_fibonacci_search_on_optuna(monkeypatch, 
     assert abs(k - 12) <= 4, k  # 4 Fibonacci evaluations bracket the peak within a few buckets
     assert res.best_overrides == ["shapes.mode=bucket", f"shapes.buckets={k}"]
     assert 4 <= len(calls) <= 2 + search.BUCKET_TRIALS + 1  # reference, shapes, <= 4 trials, the final stage
+
+
+def test_on_cuda_the_searched_reference_size_is_pinned_for_every_later_stage(monkeypatch, machine_like):
+    machine_like(bf16=0.5, fp16=0.5)
+    calls = []
+    plain = fake_bench({"base": (100.0, 1.0, 3.0)}, calls)
+
+    def run(workload, specs, **kwargs):
+        res = plain(workload, specs, **kwargs)
+        if len(calls) == 1:  # the reference stage searched
+            res.method["batch_search"] = {"choice": "65536", "reason": "the knee"}
+        return res
+
+    monkeypatch.setattr(search, "run_bench", run)
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes",), noise_seeds=4)
+    pinned = "baseline+shapes.tokens_per_batch=65536+shapes.batch_search=off"
+    assert calls[0] == ["baseline"] and len(calls) == 2
+    assert all(spec.startswith(pinned) for spec in calls[1])
+    assert res.best_spec.startswith(pinned) and f"--recipes {pinned}" in res.bench_command

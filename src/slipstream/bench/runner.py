@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..decisions import Decision
 from ..metrics import dynamo_graph_count
 from ..models import loss_of
 from ..parity import (
@@ -49,6 +50,7 @@ from .contenders import (
 )
 from .memory import CudaMemory, peak_memory_in_subprocess
 from .mfu import model_flops_per_token, peak_flops_from_probe
+from .reference_batch import adopt, search_reference_batch
 
 NOISY_IQR_RATIO = 0.1
 
@@ -162,15 +164,19 @@ class RecipeContender(LoopContender):
         pairing: Pairing | None = None,
         order_seed: int = 0,
         row_seed: int = 0,
+        searched_batch: Decision | None = None,
     ):
         """`pairing`: the run's shared document windows and the reference's initial weights (None:
         this contender's own init and data order, the seed-band design). `order_seed` permutes the
         documents inside each window (the order null re-runs); `row_seed` permutes the rows inside
-        each batch (the numerics null re-runs: the same batches, another reduction order)."""
+        each batch (the numerics null re-runs: the same batches, another reduction order).
+        `searched_batch`: the benchmark's tokens-per-batch search on the reference (CUDA), adopted
+        instead of searching again (slipstream.bench.reference_batch)."""
         self.name = name or spec
         self.recipe: Recipe = resolve_recipe(spec)
         self.spec = spec
         self.session = Session(self.recipe)
+        adopt(self.session, searched_batch)
         self.precision = self.session.precision
         wl = get_workload(workload)
         model = wl.model(size, self.recipe.shapes.max_len)
@@ -276,10 +282,12 @@ def custom_factory(cls: type[RecipeContender]) -> Callable[..., RecipeContender]
     """The `run_bench(custom=...)` factory for a RecipeContender subclass: the contender named
     `label@recipe-spec` is built from that recipe, matched like the others, and keeps its label."""
 
-    def build(spec, workload, size, data, val_batches, reference, target, pairing=None) -> RecipeContender:
+    def build(
+        spec, workload, size, data, val_batches, reference, target, pairing=None, searched_batch=None
+    ) -> RecipeContender:
         return cls(
             spec.split("@", 1)[1], workload, size, data, val_batches, reference,
-            real_tokens_per_step=target, name=spec, pairing=pairing,
+            real_tokens_per_step=target, name=spec, pairing=pairing, searched_batch=searched_batch,
         )  # fmt: skip
 
     return build
@@ -424,7 +432,9 @@ def run_bench(
     if size not in wl.sizes:
         raise RecipeError(f"workload {workload!r} has no size {size!r}; choose one of {', '.join(wl.sizes)}")
     data = wl.load_data()
-    budget = round_tokens or 2 * specs[0].shapes.tokens_per_batch
+    # On CUDA an unpinned reference trains at a searched, GPU-sized batch; everyone adopts it.
+    searched = search_reference_batch(specs[0], lambda: wl.model(size, specs[0].shapes.max_len), data, say)
+    budget = round_tokens or 2 * (int(searched.choice) if searched else specs[0].shapes.tokens_per_batch)
     pairing = None
     if paired:
         windows = DocumentWindows(
@@ -448,11 +458,14 @@ def run_bench(
         since = cuda_memory.allocated()
         try:
             if spec in custom:
-                c = custom[spec](spec, workload, size, data, val_batches, specs[0], target, pairing=pairing)
+                c = custom[spec](
+                    spec, workload, size, data, val_batches, specs[0], target, pairing=pairing,
+                    searched_batch=searched,
+                )  # fmt: skip
             else:
                 c = RecipeContender(
                     spec, workload, size, data, val_batches, specs[0], real_tokens_per_step=target,
-                    pairing=pairing,
+                    pairing=pairing, searched_batch=searched,
                 )  # fmt: skip
         except Exception as err:
             if not tolerate_failures or spec == recipes[0]:
@@ -471,7 +484,7 @@ def run_bench(
         """A re-run of the reference for a null band: another order (order_seed) or rows (row_seed)."""
         return RecipeContender(
             spec, workload, size, data, val_batches, specs[0],
-            real_tokens_per_step=target, name=name, pairing=pairing, **seeds,
+            real_tokens_per_step=target, name=name, pairing=pairing, searched_batch=searched, **seeds,
         )  # fmt: skip
 
     for k in range(1, noise_seeds + 1):
@@ -716,6 +729,7 @@ def run_bench(
                 "val_real_tokens": sum(ref_sums[1]) if ref_sums else None,
                 "parity_numerics_band": numerics_null.to_dict() if numerics_null else None,
                 "real_tokens_per_step": target,
+                "batch_search": searched.to_dict() if searched else None,
                 "order": "interleaved A B C per round; medians over rounds",
             },
             peak_flops=peak,

@@ -245,6 +245,10 @@ def optimize(
         **common,
     )
     target = ref.method["real_tokens_per_step"]
+    searched = ref.method.get("batch_search")
+    if searched:  # CUDA: every later stage trains at the size the reference stage searched, once
+        base = f"{base}+shapes.tokens_per_batch={searched['choice']}+shapes.batch_search=off"
+        say(f"reference tokens per batch: {searched['choice']} (searched; pinned for every stage)")
     ref_val = ref.contenders[0].val_loss
     vals = ref.method["parity_noise_val_losses"]
     band = null_band(vals[0], vals[1:], parity_floor, resolution=parity_resolution)
