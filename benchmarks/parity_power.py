@@ -100,18 +100,20 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
     harmless = [h.split("+")[0] + extra + "".join("+" + o for o in h.split("+")[1:]) for h in HARMLESS]
     faults, custom = fault_contenders(extra)
     recipes = [ref, *harmless, lr_times(ref, 3.0), *faults]
+    if args.only:  # a subset, by label (the reference always runs)
+        keep = set(args.only.split(","))
+        recipes = [ref] + [r for r in recipes[1:] if _label(r, extra) in keep]
     t0 = time.perf_counter()
     res = run_bench(
         wl, recipes, size=size, rounds=args.rounds, memory="skip", noise_seeds=args.noise_seeds,
-        min_dtype_speed=None, custom=custom, paired=not args.unpaired,
+        min_dtype_speed=None, custom=custom, paired=not args.unpaired, window_tokens=args.window_tokens,
         progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None,
     ).to_dict()  # fmt: skip
     m = res["method"]
     rows = []
-    for c, kind in zip(res["contenders"], ["reference"] + ["harmless"] * len(harmless) + ["fault"] * 99):
-        label = c["name"].split("@")[0] if "@" in c["name"] else c["name"].replace(extra, "")
-        if "optimizer.lr=" in c["name"]:
-            label = "lr-x3"
+    for c in res["contenders"]:
+        label = _label(c["name"], extra)
+        kind = "reference" if c["name"] == ref else "harmless" if label in HARMLESS else "fault"
         rows.append({
             "label": label, "kind": kind, "val_loss": c["val_loss"], "parity_gap": c["parity_gap"],
             "parity": c["parity"], "parity_sampling_error": c.get("parity_sampling_error"),
@@ -143,6 +145,13 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
     }
 
 
+def _label(name: str, extra: str) -> str:
+    """A contender's name without the run's overrides: the row it is summarised under."""
+    if "optimizer.lr=" in name:
+        return "lr-x3"
+    return name.split("@")[0] if "@" in name else name.replace(extra, "")
+
+
 def summarise(runs: list[dict]) -> dict:
     out: dict[str, dict] = {}
     for run in runs:
@@ -169,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-seeds", type=int, default=2)
     ap.add_argument("--unpaired", action="store_true", help="the seed-band design, for comparison")
     ap.add_argument("--set", default="", help="extra +section.field=value overrides for every recipe")
+    ap.add_argument("--window-tokens", type=int, default=None, help="paired windows (default: one round)")
+    ap.add_argument("--only", default="", help="comma-separated labels to run beside the reference")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
