@@ -19,6 +19,9 @@ from slipstream.serve.model import load_model
 REPO = Path(__file__).resolve().parents[2]
 
 
+READY_TIMEOUT_S = 180.0
+
+
 @pytest.fixture(scope="session")
 def tiny():
     torch.manual_seed(0)
@@ -64,7 +67,8 @@ def start_server(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    # start-up warms the model and reads the probe: on a loaded 2-core host that took over 60 s
+    deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited early: {proc.stdout.read()}")
@@ -75,7 +79,7 @@ def start_server(
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("server did not become ready within 60 s")
+    raise RuntimeError(f"server did not become ready within {READY_TIMEOUT_S:.0f} s")
 
 
 @contextlib.contextmanager
