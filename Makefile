@@ -33,7 +33,7 @@ test: $(STAMP) lint postgres
 
 demo: $(STAMP)
 	$(VENV)/bin/slipstream bench --workload gpt-stdlib --size small --recipes demo --peers diy,accelerate,lightning \
-		--rounds 3 --max-round-s 60 --json demo.json --report demo.html
+		--rounds 3 --parity-steps 0 --max-round-s 60 --json demo.json --report demo.html
 
 doctor: $(STAMP)
 	$(VENV)/bin/slipstream doctor

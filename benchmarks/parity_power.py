@@ -6,8 +6,8 @@ effect of every run.
     python benchmarks/parity_power.py --model llama --size small --seeds 5 --json out.json
     python benchmarks/parity_power.py --model gpt --size small --seeds 2 --unpaired   # the seed band
 
-One seeded run is one `run_bench` (every contender at `runtime.seed=S`, default rounds and round
-budget, 2 null re-runs): the reference (baseline), the harmless recipes (bucket, pack with the
+One seeded run is one `run_bench` (every contender at `runtime.seed=S`, default rounds, round
+budget and parity steps — at least 100 optimizer steps of the reference —, 2 null re-runs): the reference (baseline), the harmless recipes (bucket, pack with the
 mask, fused AdamW, bf16 — run for its numerics even where it does not pay) and the planted faults
 of slipstream.bench.faults (lr x 3, pack with the document mask dropped, labels shifted by one,
 pure bf16, the first block frozen).
@@ -107,6 +107,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
     res = run_bench(
         wl, recipes, size=size, rounds=args.rounds, memory="skip", noise_seeds=args.noise_seeds,
         min_dtype_speed=None, custom=custom, paired=not args.unpaired, window_tokens=args.window_tokens,
+        parity_steps=args.parity_steps,
         progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None,
     ).to_dict()  # fmt: skip
     m = res["method"]
@@ -125,6 +126,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
         "seed": seed,
         "wall_s": time.perf_counter() - t0,
         "steps": res["contenders"][0]["steps"],
+        "rounds": m["rounds"],
         "real_tokens": res["contenders"][0]["real_tokens"],
         "band": {
             k: m.get(k)
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--noise-seeds", type=int, default=2)
+    ap.add_argument("--parity-steps", type=int, default=None, help="bench's --parity-steps (default 100)")
     ap.add_argument("--unpaired", action="store_true", help="the seed-band design, for comparison")
     ap.add_argument("--set", default="", help="extra +section.field=value overrides for every recipe")
     ap.add_argument("--window-tokens", type=int, default=None, help="paired windows (default: one round)")

@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 
 from slipstream.bench.contenders import DocumentWindows, WindowedLoader
-from slipstream.parity import NullBand, judge_paired, null_band, t_quantile_995
+from slipstream.parity import (
+    PARITY_MIN_STEPS,
+    PARITY_STEPS_ENV,
+    NullBand,
+    default_parity_steps,
+    judge_paired,
+    min_judged_steps,
+    null_band,
+    short_run,
+    t_quantile_995,
+)
 
 
 def test_null_band_is_t_times_the_paired_spread_and_detects_a_further_power_margin():
@@ -114,3 +124,42 @@ def test_a_frozen_layer_the_seed_band_passes_is_never_passed_by_the_paired_guard
     assert frozen["parity"] in ("fail", "unjudged")
     if frozen["parity"] == "unjudged":  # the run is too short to see 1%: it says so
         assert any("parity unjudged: would catch >=" in w for w in paired["warnings"])
+
+
+def test_the_step_budget_defaults_to_100_and_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(PARITY_STEPS_ENV, raising=False)
+    assert default_parity_steps() == PARITY_MIN_STEPS == 100
+    monkeypatch.setenv(PARITY_STEPS_ENV, "7")
+    assert default_parity_steps() == 7
+    for bad, msg in (("seven", "not an integer"), ("-1", "must be >= 0")):
+        monkeypatch.setenv(PARITY_STEPS_ENV, bad)
+        with pytest.raises(ValueError, match=msg):
+            default_parity_steps()
+
+
+def test_a_pass_on_a_short_run_is_unjudged_and_a_detected_difference_stands():
+    assert short_run("pass", 16, 100) == "unjudged"
+    assert short_run("pass", 100, 100) == "pass"
+    assert short_run("fail", 16, 100) == "fail" and short_run("unjudged", 200, 100) == "unjudged"
+    assert min_judged_steps(0) == PARITY_MIN_STEPS and min_judged_steps(30) == 30
+
+
+def test_bench_adds_rounds_until_the_reference_trained_parity_steps_and_judges_only_then():
+    from slipstream.bench import run_bench
+
+    fused = "baseline" + SMALL + "+optimizer.impl=fused"  # the reference's batches and numerics
+    kw = dict(size="tiny", rounds=1, round_tokens=600, warmup_steps=1, val_batches=1, memory="skip",
+              noise_seeds=1)  # fmt: skip
+    long = run_bench("gpt-stdlib", ["baseline" + SMALL, fused], parity_steps=4, **kw).to_dict()
+    m = long["method"]
+    assert m["rounds_asked"] == 1 and m["rounds"] > 1 and m["parity_steps_trained"] >= 4
+    ref, cand = long["contenders"]
+    assert ref["steps"] == m["parity_steps_trained"] and cand["steps"] == ref["steps"]
+    # every round is timed: one tokens/s figure per round, for the reference and the contender
+    assert len(ref["round_tokens_per_s"]) == len(cand["round_tokens_per_s"]) == m["rounds"]
+    assert cand["parity"] == "pass", long["warnings"]
+    # --parity-steps 0: only the rounds asked for, and a pass that short is not trusted
+    short = run_bench("gpt-stdlib", ["baseline" + SMALL, fused], parity_steps=0, **kw).to_dict()
+    assert short["method"]["rounds"] == 1 and short["method"]["parity_steps_trained"] < PARITY_MIN_STEPS
+    assert short["contenders"][1]["parity"] == "unjudged"
+    assert any("fewer than the 100 a planted fault needs" in w for w in short["warnings"])

@@ -183,6 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             parity_floor=args.parity_floor,
             noise_seeds=args.noise_seeds,
             paired=not args.unpaired,
+            parity_steps=args.parity_steps,
             match_steps=not args.no_match_steps,
             min_dtype_speed=min_dtype_speed,
             max_round_s=args.max_round_s,
@@ -210,6 +211,10 @@ def _check_bench_args(args: argparse.Namespace, recipes: list[str]) -> None:
             (args.warmup_steps >= 0, f"--warmup-steps {args.warmup_steps} must be >= 0"),
             (args.val_batches >= 1, f"--val-batches {args.val_batches} must be >= 1"),
             (args.parity_floor >= 0, f"--parity-floor {args.parity_floor} must be >= 0"),
+            (
+                args.parity_steps is None or args.parity_steps >= 0,
+                f"--parity-steps {args.parity_steps} must be >= 0 (0: time --rounds only)",
+            ),
             (
                 args.round_tokens is None or args.round_tokens >= 1,
                 f"--round-tokens {args.round_tokens} must be >= 1",
@@ -404,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.002,
         help="smallest relative val-loss gap ever allowed, when the seeds land closer (default: 0.002)",
+    )
+    p.add_argument(
+        "--parity-steps",
+        type=int,
+        help="train the reference at least this many optimizer steps, adding rounds, before judging "
+        "parity (default: 100, where planted faults show in the loss); 0: only --rounds, and a pass "
+        "on fewer than 100 steps is unjudged",
     )
     p.add_argument(
         "--no-match-steps",

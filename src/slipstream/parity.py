@@ -23,6 +23,7 @@ says "unjudged" when the run cannot see a `PARITY_RESOLUTION` (1%) regression.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -174,6 +175,53 @@ def unjudged_note(name: str, band: NullBand) -> str:
     )
 
 
+PARITY_MIN_STEPS = 100
+"""Optimizer steps the reference must have trained before a verdict can be "pass". Measured (host B,
+docs/bench.md, benchmarks/results/parity-power-*): at 16-27 steps the planted faults (labels
+shifted, the first block frozen, pure bf16) cost 0.01-0.55% of validation loss on tiny GPT and Llama
+models, inside ordinary noise; at 60-101 steps they cost 0.95-8.6%. A loss-based guard cannot see a
+cost that is not there yet, so a shorter run is trained on (bench's extra rounds) or left unjudged."""
+
+PARITY_STEPS_ENV = "SLIPSTREAM_PARITY_STEPS"
+
+
+def default_parity_steps() -> int:
+    """`PARITY_MIN_STEPS`, or the integer in $SLIPSTREAM_PARITY_STEPS (the unit tests set 1: they
+    check the machinery on a few steps, not the guard's power)."""
+    raw = os.environ.get(PARITY_STEPS_ENV, "").strip()
+    if not raw:
+        return PARITY_MIN_STEPS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"${PARITY_STEPS_ENV}={raw!r} is not an integer; unset it or give a step count"
+        ) from None
+    if value < 0:
+        raise ValueError(f"${PARITY_STEPS_ENV}={value} must be >= 0")
+    return value
+
+
+def min_judged_steps(parity_steps: int) -> int:
+    """Steps a pass needs: `parity_steps` as asked, or `PARITY_MIN_STEPS` when 0 (timing only: no
+    extra rounds, and a short run's pass is unjudged rather than trusted)."""
+    return parity_steps if parity_steps > 0 else PARITY_MIN_STEPS
+
+
+def short_run(verdict: str, steps: int, min_steps: int) -> str:
+    """A "pass" on a run shorter than `min_steps` optimizer steps is "unjudged"; other verdicts stand
+    (a detected difference is a difference however short the run)."""
+    return "unjudged" if verdict == "pass" and steps < min_steps else verdict
+
+
+def short_run_note(name: str, steps: int, min_steps: int) -> str:
+    """The words bench and optimize print for a pass downgraded by `short_run`."""
+    return (
+        f"{name}: parity unjudged: the reference trained {steps} optimizer steps, fewer than the "
+        f"{min_steps} a planted fault needs to show in the loss (--parity-steps {min_steps} trains that long)"
+    )
+
+
 DEFAULT_PARITY_TOLERANCE = 0.02
 """Used only when no seed re-runs are given. Relative gap allowed between the candidate's and the reference's loss, both averaged over the
 last `window` steps. Justified by measurement (docs/precision.md, benchmarks/precision.py --parity):
@@ -284,6 +332,12 @@ def parity(
 
 __all__ = [
     "NULL_SOURCE",
+    "PARITY_MIN_STEPS",
+    "PARITY_STEPS_ENV",
+    "default_parity_steps",
+    "min_judged_steps",
+    "short_run",
+    "short_run_note",
     "PARITY_RESOLUTION",
     "NullBand",
     "judge_paired",

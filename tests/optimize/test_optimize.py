@@ -15,16 +15,18 @@ from slipstream.presets import resolve_recipe
 from slipstream.recipe import RecipeError
 
 
-def _contender(name, tps, iqr, val):
-    return SimpleNamespace(name=name, real_tokens_per_s=tps, real_tokens_per_s_iqr=iqr, val_loss=val)
+def _contender(name, tps, iqr, val, steps=100):
+    return SimpleNamespace(
+        name=name, real_tokens_per_s=tps, real_tokens_per_s_iqr=iqr, val_loss=val, steps=steps
+    )
 
 
 TIGHT_NULL = [3.0, 3.0001, 2.9999, 3.0, 3.0001]  # sigma 0.004%: band = the 0.2% floor, detects 0.21%
 
 
-def fake_bench(figures, calls, null_losses=TIGHT_NULL):
+def fake_bench(figures, calls, null_losses=TIGHT_NULL, steps=100):
     """run_bench stand-in: figures[last override of the spec, or 'base'] = (tok/s, iqr, val loss);
-    the reference's null re-runs land at `null_losses`."""
+    the reference's null re-runs land at `null_losses`; every contender trained `steps` steps."""
 
     def run(workload, specs, *, noise_seeds=0, **kwargs):
         calls.append(list(specs))
@@ -32,7 +34,7 @@ def fake_bench(figures, calls, null_losses=TIGHT_NULL):
         for spec in specs:
             key = spec.split("+")[-1] if "+" in spec else "base"
             tps, iqr, val = figures.get(key, figures["base"])
-            cs.append(_contender(spec, tps, iqr, val))
+            cs.append(_contender(spec, tps, iqr, val, steps))
         return SimpleNamespace(
             contenders=cs,
             skipped={},
@@ -167,3 +169,25 @@ def test_on_cuda_the_searched_reference_size_is_pinned_for_every_later_stage(mon
     assert calls[0] == ["baseline"] and len(calls) == 2
     assert all(spec.startswith(pinned) for spec in calls[1])
     assert res.best_spec.startswith(pinned) and f"--recipes {pinned}" in res.bench_command
+
+
+def test_no_change_is_kept_on_a_run_too_short_for_the_faults_to_show(monkeypatch, machine_like):
+    """--parity-steps 0 times --rounds only: a 16-step stage cannot see a planted fault (docs/bench.md),
+    so a faster candidate inside the band is rejected as unjudged instead of kept."""
+    machine_like(bf16=0.5, fp16=0.5)
+    calls, seen = [], []
+    plain = fake_bench({"base": (100.0, 1.0, 3.0), "shapes.mode=bucket": (150.0, 1.0, 3.0)}, calls, steps=16)
+
+    def run(workload, specs, **kwargs):
+        seen.append(kwargs["parity_steps"])
+        return plain(workload, specs, **kwargs)
+
+    monkeypatch.setattr(search, "run_bench", run)
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes",), parity_steps=0)
+    bucket = next(c for c in res.candidates if c.overrides == ["shapes.mode=bucket"])
+    assert bucket.parity == "unjudged" and res.best_spec == "baseline"
+    assert bucket.verdict.startswith("rejected: parity unjudged: the reference trained 16 optimizer steps")
+    assert "fewer than the 100" in bucket.verdict and set(seen) == {0}
+    # asked for 16 steps (the stages trained that many): the same candidate is judged and kept
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes",), parity_steps=16)
+    assert res.best_spec == "baseline+shapes.mode=bucket"

@@ -216,6 +216,7 @@ CASES = [
         "bench-unknown-peer", "bench --peers nosuch", ("unknown peer 'nosuch'", "available: accelerate, diy")
     ),
     Case("bench-negative-warmup", "bench --warmup-steps -1", ("--warmup-steps -1", ">= 0")),
+    Case("bench-negative-parity-steps", "bench --parity-steps -5", ("--parity-steps -5", ">= 0")),
     Case("bench-val-batches-0", "bench --val-batches 0", ("--val-batches 0", ">= 1")),
     Case(
         "tune-bad-range",

@@ -27,10 +27,14 @@ from ..parity import (
     DEFAULT_PARITY_TOLERANCE,
     PARITY_RESOLUTION,
     NullBand,
+    default_parity_steps,
     judge_paired,
     judge_parity,
+    min_judged_steps,
     noise_band,
     null_band,
+    short_run,
+    short_run_note,
     unjudged_note,
 )
 from ..presets import resolve_recipe
@@ -380,6 +384,7 @@ def run_bench(
     paired: bool = True,
     window_tokens: int | None = None,
     parity_resolution: float = PARITY_RESOLUTION,
+    parity_steps: int | None = None,
     match_steps: bool = True,
     min_dtype_speed: float | None = 1 / SLOW_DTYPE_FACTOR,
     max_round_s: float | None = None,
@@ -397,7 +402,10 @@ def run_bench(
     (`window_tokens` training positions each, default one round's real-token budget); the
     `noise_seeds` extra runs of the reference permute the documents inside each window, and their
     spread is the null band (`slipstream.parity.null_band`); a verdict is "unjudged" when the run
-    could not catch a `parity_resolution` regression. `paired=False` is the seed-band design: the
+    could not catch a `parity_resolution` regression. The reference trains at least `parity_steps`
+    optimizer steps (default `default_parity_steps()`: 100, where planted faults show in the loss):
+    when `rounds` give fewer, more rounds follow, timed like the first. A pass on fewer steps than
+    that (or than 100 with `parity_steps=0`, which adds no rounds) is "unjudged". `paired=False` is the seed-band design: the
     extra runs use other seeds (init and data order) and parity is judged against their spread
     (`noise_band`). `numerics_seeds` more re-runs (default: 1 where some recipe has the reference's
     shapes section, else none) keep the reference's batches and permute the rows inside each one:
@@ -422,6 +430,9 @@ def run_bench(
         raise RecipeError(f"rounds={rounds} must be at least 1")
     if noise_seeds < 0:
         raise RecipeError(f"noise_seeds={noise_seeds} must be >= 0")
+    parity_steps = default_parity_steps() if parity_steps is None else parity_steps
+    if parity_steps < 0:
+        raise RecipeError(f"parity_steps={parity_steps} must be >= 0 (0: no extra rounds for parity)")
     custom = custom or {}
     # fail fast on a bad spec, before any work (a custom contender names the recipe it starts from)
     specs = [resolve_recipe(s.split("@", 1)[-1] if s in custom else s) for s in recipes]
@@ -550,7 +561,10 @@ def run_bench(
             cuda_memory.keep(c.name, since)  # optimizer state, CUDA graph pools: created by the first steps
 
         per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
-        for r in range(rounds):
+        planned, ref_trained, rounds_run = rounds, 0, 0
+        # more rounds until the reference has trained parity_steps steps (PARITY_MIN_STEPS: a
+        # planted fault shows in the loss by then); they are timed like the first ones
+        while rounds_run < rounds or ref_trained < parity_steps:
             ref_steps: int | None = None
             for c in everyone:  # interleaved: A B C A B C ...
                 if c.name in failed:
@@ -563,12 +577,22 @@ def run_bench(
                     st = counted_round(c, None, ref_steps) if steps_only else counted_round(c, budget)
                 if ref_steps is None and st is not None and c is contenders[0]:
                     ref_steps = st.steps
+                    ref_trained += st.steps
                 if st is None:
                     continue
                 per_round[c.name].append(st)
                 say(
-                    f"round {r + 1}/{rounds} {c.name}: {st.real_tokens / st.seconds:,.0f} real tok/s "
+                    f"round {rounds_run + 1}/{planned} {c.name}: {st.real_tokens / st.seconds:,.0f} real tok/s "
                     f"({st.steps} steps, {st.seconds:.1f} s)"
+                )
+            rounds_run += 1
+            if not ref_steps:  # a reference round without a step would never reach parity_steps
+                break
+            if rounds_run == 1 and ref_steps and parity_steps > ref_steps * rounds:
+                planned = -(-parity_steps // ref_steps)
+                say(
+                    f"parity needs {parity_steps} optimizer steps: {planned} rounds of {ref_steps} "
+                    f"instead of {rounds} (--parity-steps 0 times {rounds} rounds only)"
                 )
 
         say("reading the peak matmul rate (machine probe)")
@@ -587,6 +611,8 @@ def run_bench(
                 say(f"validation {c.name}")
                 numerics_losses.append(c.validation_loss())
         numerics_null: NullBand | None = None
+        min_steps = min_judged_steps(parity_steps)
+        too_short: list[str] = []
         results: list[ContenderResult] = []
         warnings: list[str] = []
         ref_val: float | None = None
@@ -633,6 +659,9 @@ def run_bench(
                     )
             else:
                 verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
+            if c is not contenders[0] and short_run(verdict, ref_trained, min_steps) != verdict:
+                verdict = "unjudged"
+                too_short.append(c.name)
             if c is contenders[0]:
                 verdict = "reference"
             elif c.name in capped:
@@ -702,9 +731,11 @@ def run_bench(
                     info={k: v for k, v in info.items() if k not in ("distinct_shapes", "recompiles")},
                 )
             )
+        if too_short:
+            warnings.append(short_run_note(", ".join(too_short), ref_trained, min_steps))
         base = results[0].real_tokens_per_s
-        for r in results:
-            r.speedup = r.real_tokens_per_s / base if base else 0.0
+        for res in results:
+            res.speedup = res.real_tokens_per_s / base if base else 0.0
         from ..doctor import machine_info
 
         return BenchResult(
@@ -712,7 +743,11 @@ def run_bench(
             size=size,
             machine=machine_info(),
             method={
-                "rounds": rounds,
+                "rounds": rounds_run,
+                "rounds_asked": rounds,
+                "parity_steps": parity_steps,
+                "parity_min_steps": min_steps,
+                "parity_steps_trained": ref_trained,
                 "round_real_tokens": budget,
                 "warmup_steps": warmup_steps,
                 "val_batches": val_batches,

@@ -43,6 +43,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             round_tokens=args.round_tokens,
             noise_seeds=args.noise_seeds,
+            parity_steps=args.parity_steps,
             progress=say,
         )
     payload: dict[str, Any] = result.to_dict()
@@ -81,6 +82,12 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--noise-seeds", type=int, default=2, help="reference re-runs for the parity band (default: 2)"
+    )
+    p.add_argument(
+        "--parity-steps",
+        type=int,
+        help="optimizer steps every stage's reference trains before parity is judged, in extra rounds "
+        "(default: 100); 0: only --rounds, and no change is kept on a shorter run",
     )
     p.add_argument("--out", default="optimize-out", help="folder for recipe.toml and the reports")
     p.add_argument("--json", help="also write the JSON result here")

@@ -26,7 +26,15 @@ from typing import Any
 
 from .. import decisions, machine
 from ..bench.runner import run_bench, same_batches
-from ..parity import PARITY_RESOLUTION, judge_paired, null_band
+from ..parity import (
+    PARITY_RESOLUTION,
+    default_parity_steps,
+    judge_paired,
+    min_judged_steps,
+    null_band,
+    short_run,
+    short_run_note,
+)
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
 from ..runtime import resolve_device
@@ -219,6 +227,7 @@ def optimize(
     noise_seeds: int = 2,
     parity_floor: float = 0.002,
     parity_resolution: float = PARITY_RESOLUTION,
+    parity_steps: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> OptimizeResult:
     """Search recipes by measurement within `budget_s` seconds; see the module docstring."""
@@ -231,9 +240,12 @@ def optimize(
     reference = resolve_recipe(base)
     device = resolve_device(reference.runtime.device)
     t0 = time.perf_counter()
+    parity_steps = default_parity_steps() if parity_steps is None else parity_steps
+    min_steps = min_judged_steps(parity_steps)
     common = dict(
-        size=size, rounds=rounds, round_tokens=round_tokens, memory="skip", min_dtype_speed=None, progress=say
-    )
+        size=size, rounds=rounds, round_tokens=round_tokens, memory="skip", min_dtype_speed=None,
+        parity_steps=parity_steps, progress=say,
+    )  # fmt: skip
 
     say(f"stage reference: {base} and {noise_seeds} null re-runs (another order inside each window)")
     ref = run_bench(
@@ -334,12 +346,15 @@ def optimize(
             noise = max(cur_noise, c.real_tokens_per_s_iqr / c.real_tokens_per_s, MIN_GAIN)
             used = numerics_band if same_batches(reference, resolve_recipe(spec)) else band
             verdict, gap = judge_paired(c.val_loss, ref_val, used)
+            verdict = short_run(verdict, cur.steps, min_steps)
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
             cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
             cand.parity_band = used.threshold
             cand.parity_detectable_effect = used.detectable if used.detectable != float("inf") else None
             if verdict == "fail":
                 cand.verdict = f"rejected: parity gap {gap:.2%} > {used.threshold:.2%}"
+            elif verdict == "unjudged" and cur.steps < min_steps:
+                cand.verdict = "rejected: " + short_run_note("parity", cur.steps, min_steps).split(": ", 1)[1]
             elif verdict == "unjudged":
                 cand.verdict = (
                     f"rejected: parity unjudged: would catch >= {used.detectable:.1%} "
@@ -408,6 +423,8 @@ def optimize(
             "parity_resolution": parity_resolution,
             "parity_null_sigma": band.sigma,
             "noise_seeds": noise_seeds,
+            "parity_steps": parity_steps,
+            "parity_min_steps": min_steps,
             "stages": list(stages),
         },
     )
