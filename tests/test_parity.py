@@ -163,3 +163,11 @@ def test_bench_adds_rounds_until_the_reference_trained_parity_steps_and_judges_o
     assert short["method"]["rounds"] == 1 and short["method"]["parity_steps_trained"] < PARITY_MIN_STEPS
     assert short["contenders"][1]["parity"] == "unjudged"
     assert any("fewer than the 100 a planted fault needs" in w for w in short["warnings"])
+    from slipstream.bench.report import summary_lines
+
+    trained = short["method"]["parity_steps_trained"]
+    assert f"judged after {trained} optimizer steps (1 round, fewer than the 100" in summary_lines(short)[0]
+    assert (
+        f"judged after {m['parity_steps_trained']} optimizer steps ({m['rounds']} rounds)"
+        in (summary_lines(long)[0])
+    )

@@ -64,6 +64,16 @@ def print_table(result: dict[str, Any]) -> None:
         console.print(f"[yellow]warning: {w}[/yellow]")
 
 
+def _steps_words(m: dict[str, Any]) -> str:
+    """How long the reference trained before the verdict, and whether that was long enough."""
+    trained, needed = m.get("parity_steps_trained"), m.get("parity_min_steps")
+    if trained is None or needed is None:
+        return ""  # a result written before the step budget existed
+    enough = "" if trained >= needed else f", fewer than the {needed} a pass needs: passes read unjudged"
+    rounds = f"{m['rounds']} round" + ("s" if m["rounds"] != 1 else "")
+    return f"; judged after {trained} optimizer steps ({rounds}{enough})"
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """The verdict in words: the parity band, and what `auto` picked against the fixed recipes and
     the peers (when an `auto` contender ran)."""
@@ -76,7 +86,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             f"parity (paired: same init, same document windows): pass when the val-loss gap is <= "
             f"{m['parity_tolerance']:.2%} and the run would catch a {m['parity_resolution']:.0%} regression; "
             f"this one would catch >= {'nothing (no null re-runs)' if detect is None else f'{detect:.2%}'} "
-            f"(null band from {m['parity_band_source']}: val losses {losses})"
+            f"(null band from {m['parity_band_source']}: val losses {losses})" + _steps_words(m)
         )
     elif "parity_noise_band" in m:
         losses = ", ".join(f"{v:.4f}" for v in m["parity_noise_val_losses"])
