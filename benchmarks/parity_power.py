@@ -120,7 +120,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
             "parity": c["parity"], "parity_sampling_error": c.get("parity_sampling_error"),
             "band_kind": c.get("parity_band_kind"), "tolerance": c.get("parity_tolerance"),
             "detectable_effect": c.get("parity_detectable_effect"), "steps": c["steps"],
-            "real_tokens": c["real_tokens"],
+            "real_tokens": c["real_tokens"], "batching_check": c.get("batching_check"),
         })  # fmt: skip
     return {
         "seed": seed,

@@ -171,3 +171,37 @@ def test_bench_adds_rounds_until_the_reference_trained_parity_steps_and_judges_o
         f"judged after {m['parity_steps_trained']} optimizer steps ({m['rounds']} rounds)"
         in (summary_lines(long)[0])
     )
+
+
+def test_batching_check_gap_and_verdict():
+    from slipstream.bench.batching_check import BATCHING_TOLERANCE, BatchingCheck
+
+    same = BatchingCheck(5.0, 5.0 * (1 + BATCHING_TOLERANCE / 2))
+    assert same.passed and same.gap == pytest.approx(BATCHING_TOLERANCE / 2)
+    off = BatchingCheck(5.0, 5.01)
+    assert not off.passed and off.to_dict()["gap"] == pytest.approx(0.002)
+    broken = BatchingCheck(5.0, math.nan)
+    assert not broken.passed and broken.to_dict()["gap"] is None
+
+
+def test_the_batching_check_fails_a_broken_data_path_that_the_loss_band_cannot_see_yet():
+    """Fed window 0 with the reference's final weights, pack and bucket compute the reference's
+    loss (document-masked packing is exact); shifted labels do not, after a few steps already, and
+    the dropped document mask moves it far more than any harmless batching does."""
+    from slipstream.bench import run_bench
+    from slipstream.bench.faults import fault_contenders
+
+    names, custom = fault_contenders(SMALL, ("no-doc-mask", "label-shift"))
+    res = run_bench(
+        "gpt-stdlib", ["baseline" + SMALL, "bucket" + SMALL, "pack" + SMALL, *names], size="tiny", rounds=2,
+        round_tokens=1200, warmup_steps=1, val_batches=1, memory="skip", noise_seeds=1, custom=custom,
+    ).to_dict()  # fmt: skip
+    rows = {c["name"].split("+")[0].split("@")[0]: c for c in res["contenders"]}
+    assert rows["baseline"]["batching_check"] is None  # the reference is what the others match
+    harmless = max(rows[k]["batching_check"]["gap"] for k in ("bucket", "pack"))
+    assert rows["bucket"]["batching_check"]["passed"] and rows["pack"]["batching_check"]["passed"]
+    assert harmless < 1e-6
+    shifted = rows["label-shift"]
+    assert shifted["batching_check"]["passed"] is False and shifted["parity"] == "fail"
+    assert any(w.startswith(shifted["name"] + ": parity fail: fed window 0") for w in res["warnings"])
+    assert rows["no-doc-mask"]["batching_check"]["gap"] > 100 * max(harmless, 1e-9)

@@ -191,3 +191,21 @@ def test_no_change_is_kept_on_a_run_too_short_for_the_faults_to_show(monkeypatch
     # asked for 16 steps (the stages trained that many): the same candidate is judged and kept
     res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes",), parity_steps=16)
     assert res.best_spec == "baseline+shapes.mode=bucket"
+
+
+def test_a_candidate_whose_batching_check_failed_is_rejected_whatever_its_loss(monkeypatch, machine_like):
+    machine_like(bf16=0.5, fp16=0.5)
+    calls = []
+    plain = fake_bench({"base": (100.0, 1.0, 3.0), "shapes.mode=pack": (150.0, 1.0, 3.0)}, calls)
+
+    def run(workload, specs, **kwargs):
+        res = plain(workload, specs, **kwargs)
+        for c in res.contenders:  # pack's data path broke: same val loss, another computation
+            c.batching_check = {"gap": 0.02, "tolerance": 1e-4, "passed": not c.name.endswith("pack")}
+        return res
+
+    monkeypatch.setattr(search, "run_bench", run)
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes",), noise_seeds=4)
+    pack = next(c for c in res.candidates if c.overrides == ["shapes.mode=pack"])
+    assert pack.parity == "fail" and pack.verdict.startswith("rejected: batching check")
+    assert "2.00% off" in pack.verdict and res.best_spec == "baseline"

@@ -1,7 +1,8 @@
 """Planted faults: contenders that train *wrongly* in ways real pipelines do, to prove the parity
 guard catches them (issue 24; benchmarks/parity_power.py, tests/test_parity.py).
 
-Each is a RecipeContender subclass that changes one thing a user's pipeline could get wrong; run
+Each is a RecipeContender subclass that changes one thing a user's pipeline could get wrong (the
+data-path faults in `step_inputs`, where a collator or a model call would drop or shift them); run
 them through `run_bench(custom=...)` as `label@recipe` (see `fault_contenders`). `lr x 3` needs no
 class: it is the recipe `+optimizer.lr=<3 x the reference's>` (`lr_times`).
 
@@ -24,17 +25,17 @@ from .runner import RecipeContender, custom_factory
 
 
 class DroppedDocumentMask(RecipeContender):
-    def train_step(self, batch):
+    def step_inputs(self, batch):
         drop = "document_ids" if self.session.convention.packing == "document_ids" else "position_ids"
-        return super().train_step(type(batch)({k: v for k, v in batch.items() if k != drop}))
+        return super().step_inputs(type(batch)({k: v for k, v in batch.items() if k != drop}))
 
 
 class ShiftedLabels(RecipeContender):
-    def train_step(self, batch):
+    def step_inputs(self, batch):
         labels = batch["labels"]
         shifted = torch.full_like(labels, -100)
         shifted[:, :-1] = labels[:, 1:]
-        return super().train_step(type(batch)({**batch, "labels": shifted}))
+        return super().step_inputs(type(batch)({**batch, "labels": shifted}))
 
 
 class PureBf16(RecipeContender):

@@ -43,6 +43,7 @@ from ..runtime import resolve_device
 from ..session import Session
 from ..shapes.loader import Batch, ShapedLoader
 from ..workloads import get_workload
+from .batching_check import check_batching, failure_note
 from .contenders import (
     Contender,
     DocumentWindows,
@@ -107,6 +108,9 @@ class ContenderResult:
     """(cumulative real tokens, training loss) per step."""
     time_breakdown_s: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    batching_check: dict[str, Any] | None = None
+    """Paired recipe contenders: window 0 through its data path vs the reference's, with the
+    reference's final weights (slipstream.bench.batching_check); a gap beyond tolerance fails parity."""
 
 
 @dataclass
@@ -235,14 +239,46 @@ class RecipeContender(LoopContender):
         out.real_tokens, out.padded_tokens, out.shape = batch.real_tokens, batch.padded_tokens, batch.shape
         return out
 
+    def step_inputs(self, batch: Batch) -> Batch:
+        """What the model is called with for a loader batch: the one place a contender's data path
+        ends (the batching check feeds its batches through it too)."""
+        return self._permute_rows(batch) if self.row_seed else batch
+
     def train_step(self, batch: Batch) -> torch.Tensor:
-        if self.row_seed:
-            batch = self._permute_rows(batch)
+        batch = self.step_inputs(batch)
         with self.session.autocast():
             loss = loss_of(self.model(**batch))
         self.session.backward(loss)
         self.session.step(self.optimizer)
         return loss
+
+    def window_batches(self) -> list[tuple[Batch, int]]:
+        """Window 0's documents as this contender feeds them to its model: (what `step_inputs`
+        makes of each of its batches, the batch's predicted tokens). Paired runs only."""
+        shaped = self.loader.window_loader(0)
+        out = []
+        for plan in shaped.plans(epoch=0):
+            batch = shaped.make_batch(plan)
+            out.append((self.step_inputs(batch), int(batch.real_tokens)))
+        return out
+
+    def window_loss(
+        self, state: dict[str, torch.Tensor], batches: list[tuple[Batch, int]] | None = None
+    ) -> float:
+        """Mean loss per predicted token over `batches` (default: this contender's own
+        `window_batches`) with `state`'s weights in this contender's model and precision, without
+        gradients. Overwrites its weights: call it after its validation (the batching check)."""
+        batches = self.window_batches() if batches is None else batches
+        module = getattr(self.model, "_orig_mod", self.model)  # eager: no recompile for no_grad
+        module.load_state_dict(state)
+        module.eval()
+        total, tokens = 0.0, 0
+        with torch.no_grad():
+            for batch, real in batches:
+                with self.session.autocast():
+                    total += float(loss_of(module(**batch)).double()) * real
+                tokens += real
+        return total / max(tokens, 1)
 
     def round_mark(self) -> int:
         return len(self.session.tracker.records)
@@ -314,6 +350,19 @@ def _validation(c: Contender) -> tuple[float, tuple[list[float], list[int]] | No
         sums, tokens = c.validation_sums()
         return float(sum(sums) / max(sum(tokens), 1)), (sums, tokens)
     return c.validation_loss(), None
+
+
+def _batching_check(c: RecipeContender, ref_state: dict, ref_batches: list) -> dict[str, Any]:
+    """The check's row for a contender: its figures, or why it could not run (a model whose
+    parameters are not the reference's, e.g. swapped kernels)."""
+    try:
+        result = check_batching(c, ref_state, ref_batches)
+    except (RuntimeError, KeyError, ValueError) as err:
+        return {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    row = result.to_dict()
+    if not result.passed:
+        row["note"] = failure_note(c.name, result)
+    return row
 
 
 def _paired_sampling_error(
@@ -613,6 +662,8 @@ def run_bench(
         numerics_null: NullBand | None = None
         min_steps = min_judged_steps(parity_steps)
         too_short: list[str] = []
+        ref_state: dict[str, torch.Tensor] = {}
+        ref_batches: list[tuple[Batch, int]] = []
         results: list[ContenderResult] = []
         warnings: list[str] = []
         ref_val: float | None = None
@@ -630,6 +681,14 @@ def run_bench(
             step_time = seconds / max(steps, 1)
             say(f"validation {c.name}")
             val, sums = _validation(c)
+            check: dict[str, Any] | None = None
+            if paired and isinstance(c, RecipeContender):
+                if c is contenders[0]:
+                    ref_module = getattr(c.model, "_orig_mod", c.model)
+                    ref_state, ref_batches = ref_module.state_dict(), c.window_batches()
+                else:
+                    say(f"batching check {c.name}")
+                    check = _batching_check(c, ref_state, ref_batches)
             if ref_val is None:
                 ref_val, ref_sums = val, sums
                 band = noise_band([val, *noise_losses])
@@ -659,6 +718,9 @@ def run_bench(
                     )
             else:
                 verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
+            if check is not None and check.get("passed") is False:
+                verdict = "fail"
+                warnings.append(check.pop("note"))
             if c is not contenders[0] and short_run(verdict, ref_trained, min_steps) != verdict:
                 verdict = "unjudged"
                 too_short.append(c.name)
@@ -729,6 +791,7 @@ def run_bench(
                     loss_curve=curve,
                     time_breakdown_s={"compute": max(0.0, seconds - data_wait), "data_wait": data_wait},
                     info={k: v for k, v in info.items() if k not in ("distinct_shapes", "recompiles")},
+                    batching_check=check,
                 )
             )
         if too_short:

@@ -347,11 +347,19 @@ def optimize(
             used = numerics_band if same_batches(reference, resolve_recipe(spec)) else band
             verdict, gap = judge_paired(c.val_loss, ref_val, used)
             verdict = short_run(verdict, cur.steps, min_steps)
+            check = getattr(c, "batching_check", None) or {}
+            if check.get("passed") is False:  # its data path is not the reference's computation
+                verdict = "fail"
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
             cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
             cand.parity_band = used.threshold
             cand.parity_detectable_effect = used.detectable if used.detectable != float("inf") else None
-            if verdict == "fail":
+            if check.get("passed") is False:
+                cand.verdict = (
+                    f"rejected: batching check: fed the reference's documents and final weights, its "
+                    f"batches give a loss {check['gap'] or float('inf'):.2%} off (> {check['tolerance']:.2%})"
+                )
+            elif verdict == "fail":
                 cand.verdict = f"rejected: parity gap {gap:.2%} > {used.threshold:.2%}"
             elif verdict == "unjudged" and cur.steps < min_steps:
                 cand.verdict = "rejected: " + short_run_note("parity", cur.steps, min_steps).split(": ", 1)[1]
