@@ -214,12 +214,17 @@ def short_run(verdict: str, steps: int, min_steps: int) -> str:
     return "unjudged" if verdict == "pass" and steps < min_steps else verdict
 
 
-def short_run_note(name: str, steps: int, min_steps: int) -> str:
-    """The words bench and optimize print for a pass downgraded by `short_run`."""
+def short_run_reason(steps: int, min_steps: int) -> str:
+    """Why a pass was downgraded by `short_run`, in words."""
     return (
-        f"{name}: parity unjudged: the reference trained {steps} optimizer steps, fewer than the "
-        f"{min_steps} a planted fault needs to show in the loss (--parity-steps {min_steps} trains that long)"
+        f"parity unjudged: the reference trained {steps} optimizer steps, fewer than the {min_steps} "
+        f"a planted fault needs to show in the loss (--parity-steps {min_steps} trains that long)"
     )
+
+
+def short_run_note(name: str, steps: int, min_steps: int) -> str:
+    """The warning bench prints for the contenders `short_run` downgraded."""
+    return f"{name}: {short_run_reason(steps, min_steps)}"
 
 
 DEFAULT_PARITY_TOLERANCE = 0.02
@@ -338,6 +343,7 @@ __all__ = [
     "min_judged_steps",
     "short_run",
     "short_run_note",
+    "short_run_reason",
     "PARITY_RESOLUTION",
     "NullBand",
     "judge_paired",

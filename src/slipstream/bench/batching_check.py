@@ -54,19 +54,24 @@ class BatchingCheck:
         }
 
 
-def check_batching(contender, reference_state: dict, reference_batches: list) -> BatchingCheck:
-    """Run the check on `contender` (a RecipeContender, after its validation: its weights are
-    replaced by `reference_state`). `reference_batches`: the reference's `window_batches()`."""
-    ref = contender.window_loss(reference_state, reference_batches)
-    own = contender.window_loss(reference_state)
-    return BatchingCheck(ref, own)
+def check_batching(contender, reference_state: dict, reference_batches: list) -> dict[str, Any]:
+    """The check's row for `contender` (a RecipeContender, after its validation: its weights are
+    replaced by `reference_state`; `reference_batches`: the reference's `window_batches()`):
+    `BatchingCheck.to_dict()`, or `skipped` with why it could not run (a model whose parameters are
+    not the reference's, e.g. swapped kernels)."""
+    try:
+        ref, own = contender.window_loss(reference_state, reference_batches, contender.window_batches())
+    except (RuntimeError, KeyError, ValueError) as err:
+        return {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    return BatchingCheck(ref, own).to_dict()
 
 
-def failure_note(name: str, check: BatchingCheck) -> str:
-    gap = f"{check.gap:.2%}" if math.isfinite(check.gap) else "not finite"
+def failure_note(name: str, row: dict[str, Any]) -> str:
+    """The warning for a failed check's row."""
+    gap = "not finite" if row["gap"] is None else f"{row['gap']:.2%}"
     return (
         f"{name}: parity fail: fed window 0's documents with the reference's final weights, its batches "
-        f"give a loss {gap} off the reference's (> {check.tolerance:.1%}): its data path is not the "
+        f"give a loss {gap} off the reference's (> {row['tolerance']:.1%}): its data path is not the "
         "reference's computation (a dropped document mask, shifted labels, lost positions)"
     )
 

@@ -263,22 +263,19 @@ class RecipeContender(LoopContender):
         return out
 
     def window_loss(
-        self, state: dict[str, torch.Tensor], batches: list[tuple[Batch, int]] | None = None
-    ) -> float:
-        """Mean loss per predicted token over `batches` (default: this contender's own
-        `window_batches`) with `state`'s weights in this contender's model and precision, without
+        self, state: dict[str, torch.Tensor], *batch_lists: list[tuple[Batch, int]]
+    ) -> list[float]:
+        """Mean loss per predicted token over each of `batch_lists` (as `window_batches` gives them),
+        with `state`'s weights loaded once into this contender's model, in its precision, without
         gradients. Overwrites its weights: call it after its validation (the batching check)."""
-        batches = self.window_batches() if batches is None else batches
         module = getattr(self.model, "_orig_mod", self.model)  # eager: no recompile for no_grad
         module.load_state_dict(state)
-        module.eval()
-        total, tokens = 0.0, 0
+        means = []
         with torch.no_grad():
-            for batch, real in batches:
-                with self.session.autocast():
-                    total += float(loss_of(module(**batch)).double()) * real
-                tokens += real
-        return total / max(tokens, 1)
+            for batches in batch_lists:
+                sums, tokens = self._loss_sums(module, batches)
+                means.append(sum(sums) / max(sum(tokens), 1))
+        return means
 
     def round_mark(self) -> int:
         return len(self.session.tracker.records)
@@ -293,15 +290,21 @@ class RecipeContender(LoopContender):
     def validation_sums(self) -> tuple[list[float], list[int]]:
         """Per validation batch: the summed loss over its real tokens, and their count (the same
         batches for every contender; the paired gap's sampling error is computed from these)."""
-        model, was_training = self.model, self.model.training
+        plans = self.val_loader.plans(epoch=0)[: self.val_batches]
+        batches = ((batch, batch.real_tokens) for batch in map(self.val_loader.make_batch, plans))
+        return self._loss_sums(self.model, batches)
+
+    def _loss_sums(self, model: torch.nn.Module, batches) -> tuple[list[float], list[int]]:
+        """Per (batch, predicted tokens): the summed loss over those tokens, and their count; the
+        model in eval mode and this contender's precision, its training mode restored after."""
+        was_training = model.training
         model.eval()
         sums, tokens = [], []
-        for plan in self.val_loader.plans(epoch=0)[: self.val_batches]:
-            batch = self.val_loader.make_batch(plan)
+        for batch, real in batches:
             with self.session.autocast():
                 loss = loss_of(model(**batch))
-            sums.append(loss.double() * batch.real_tokens)
-            tokens.append(batch.real_tokens)
+            sums.append(loss.double() * real)
+            tokens.append(real)
         model.train(was_training)
         return [float(x) for x in torch.stack(sums).tolist()] if sums else [], tokens
 
@@ -350,19 +353,6 @@ def _validation(c: Contender) -> tuple[float, tuple[list[float], list[int]] | No
         sums, tokens = c.validation_sums()
         return float(sum(sums) / max(sum(tokens), 1)), (sums, tokens)
     return c.validation_loss(), None
-
-
-def _batching_check(c: RecipeContender, ref_state: dict, ref_batches: list) -> dict[str, Any]:
-    """The check's row for a contender: its figures, or why it could not run (a model whose
-    parameters are not the reference's, e.g. swapped kernels)."""
-    try:
-        result = check_batching(c, ref_state, ref_batches)
-    except (RuntimeError, KeyError, ValueError) as err:
-        return {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-    row = result.to_dict()
-    if not result.passed:
-        row["note"] = failure_note(c.name, result)
-    return row
 
 
 def _paired_sampling_error(
@@ -637,7 +627,7 @@ def run_bench(
             rounds_run += 1
             if not ref_steps:  # a reference round without a step would never reach parity_steps
                 break
-            if rounds_run == 1 and ref_steps and parity_steps > ref_steps * rounds:
+            if rounds_run == 1 and parity_steps > ref_steps * rounds:
                 planned = -(-parity_steps // ref_steps)
                 say(
                     f"parity needs {parity_steps} optimizer steps: {planned} rounds of {ref_steps} "
@@ -662,7 +652,8 @@ def run_bench(
         numerics_null: NullBand | None = None
         min_steps = min_judged_steps(parity_steps)
         too_short: list[str] = []
-        ref_state: dict[str, torch.Tensor] = {}
+        ref_model = getattr(contenders[0], "model", None)
+        ref_state = getattr(ref_model, "_orig_mod", ref_model).state_dict() if ref_model is not None else {}
         ref_batches: list[tuple[Batch, int]] = []
         results: list[ContenderResult] = []
         warnings: list[str] = []
@@ -682,13 +673,10 @@ def run_bench(
             say(f"validation {c.name}")
             val, sums = _validation(c)
             check: dict[str, Any] | None = None
-            if paired and isinstance(c, RecipeContender):
-                if c is contenders[0]:
-                    ref_module = getattr(c.model, "_orig_mod", c.model)
-                    ref_state, ref_batches = ref_module.state_dict(), c.window_batches()
-                else:
-                    say(f"batching check {c.name}")
-                    check = _batching_check(c, ref_state, ref_batches)
+            if paired and isinstance(c, RecipeContender) and c is not contenders[0]:
+                say(f"batching check {c.name}")
+                ref_batches = ref_batches or contenders[0].window_batches()  # once, when needed
+                check = check_batching(c, ref_state, ref_batches)
             if ref_val is None:
                 ref_val, ref_sums = val, sums
                 band = noise_band([val, *noise_losses])
@@ -720,7 +708,7 @@ def run_bench(
                 verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
             if check is not None and check.get("passed") is False:
                 verdict = "fail"
-                warnings.append(check.pop("note"))
+                warnings.append(failure_note(c.name, check))
             if c is not contenders[0] and short_run(verdict, ref_trained, min_steps) != verdict:
                 verdict = "unjudged"
                 too_short.append(c.name)

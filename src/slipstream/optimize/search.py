@@ -33,7 +33,7 @@ from ..parity import (
     min_judged_steps,
     null_band,
     short_run,
-    short_run_note,
+    short_run_reason,
 )
 from ..presets import resolve_recipe
 from ..recipe import Recipe, RecipeError
@@ -362,7 +362,7 @@ def optimize(
             elif verdict == "fail":
                 cand.verdict = f"rejected: parity gap {gap:.2%} > {used.threshold:.2%}"
             elif verdict == "unjudged" and cur.steps < min_steps:
-                cand.verdict = "rejected: " + short_run_note("parity", cur.steps, min_steps).split(": ", 1)[1]
+                cand.verdict = "rejected: " + short_run_reason(cur.steps, min_steps)
             elif verdict == "unjudged":
                 cand.verdict = (
                     f"rejected: parity unjudged: would catch >= {used.detectable:.1%} "
