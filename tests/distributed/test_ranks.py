@@ -65,6 +65,24 @@ def test_ddp_and_fsdp_follow_one_process_on_the_same_global_batch(tmp_path, stra
     assert ddp["lockstep_mismatched_steps"] == 0
 
 
+def test_a_rank_leaves_without_teardown_but_keeps_its_output_and_exit_code(tmp_path):
+    # Under torchrun (TORCHELASTIC_RUN_ID) `python -m slipstream` ends with os._exit after the exit
+    # handlers: what it printed, the files it wrote and its return code must all survive that.
+    env = dict(_env(), TORCHELASTIC_RUN_ID="test")
+    saved = tmp_path / "r.toml"
+    ok = subprocess.run(
+        [sys.executable, "-m", "slipstream", "recipe", "baseline", "--save", str(saved)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert f"wrote {saved}" in ok.stdout and 'name = "baseline"' in saved.read_text()
+    bad = subprocess.run(
+        [sys.executable, "-m", "slipstream", "recipe", "no-such-preset"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "unknown preset 'no-such-preset'" in bad.stderr
+
+
 def test_ranks_run_one_shape_per_step_over_a_whole_epoch(tmp_path):
     from slipstream.distributed.shards import StepShards
     from slipstream.recipe import Recipe
