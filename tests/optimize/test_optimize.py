@@ -209,3 +209,31 @@ def test_a_candidate_whose_batching_check_failed_is_rejected_whatever_its_loss(m
     pack = next(c for c in res.candidates if c.overrides == ["shapes.mode=pack"])
     assert pack.parity == "fail" and pack.verdict.startswith("rejected: batching check")
     assert "2.00% off" in pack.verdict and res.best_spec == "baseline"
+
+
+def test_a_change_of_batching_alone_is_kept_on_its_check_where_the_order_band_is_too_wide(
+    monkeypatch, machine_like
+):
+    """Null re-runs 3% apart cannot resolve 1%: a faster bucket whose batching check passed trains
+    the stage best's computation on the same documents and is kept; bf16 changes the numerics, is
+    judged on the numerics band (wide too here) and is not vouched by any check."""
+    machine_like(bf16=0.9, fp16=0.5)
+    calls = []
+    figures = {"base": (100.0, 1.0, 3.0), "shapes.mode=bucket": (150.0, 1.0, 3.01),
+               "precision.dtype=bf16": (200.0, 1.0, 3.0)}  # fmt: skip
+    plain = fake_bench(figures, calls, null_losses=[3.0, 3.09, 2.95, 3.05, 2.97])
+
+    def run(workload, specs, **kwargs):
+        res = plain(workload, specs, **kwargs)
+        for c in res.contenders:
+            c.batching_check = {"gap": 1e-8, "tolerance": 1e-4, "passed": True}
+        return res
+
+    monkeypatch.setattr(search, "run_bench", run)
+    res = search.optimize(
+        "gpt-stdlib", size="tiny", budget_s=100, stages=("shapes", "precision"), noise_seeds=4
+    )
+    verdicts = {c.overrides[0]: (c.parity, c.verdict) for c in res.candidates}
+    assert verdicts["shapes.mode=bucket"][0] == "pass" and verdicts["shapes.mode=bucket"][1].startswith("kept")
+    assert verdicts["precision.dtype=bf16"][0] == "unjudged"
+    assert res.best_spec == "baseline+shapes.mode=bucket"

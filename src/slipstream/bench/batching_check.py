@@ -18,8 +18,10 @@ bf16 5.2e-7 (float reassociation); the dropped document mask 4.0e-4 to 2.6e-3 an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from ..recipe import Recipe
 
 BATCHING_TOLERANCE = 1e-4
 """Relative gap in mean loss allowed between the two paths: 190x the largest harmless gap measured
@@ -76,4 +78,22 @@ def failure_note(name: str, row: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["BATCHING_TOLERANCE", "BatchingCheck", "check_batching", "failure_note"]
+def batching_only(base: Recipe, recipe: Recipe) -> bool:
+    """Whether `recipe` differs from `base` only in how documents are cut into batches and delivered
+    (the `shapes` and `dataflow` sections): precision, optimizer, kernels, compile and model stay."""
+    return replace(recipe, name=base.name, shapes=base.shapes, dataflow=base.dataflow) == base
+
+
+def vouch(verdict: str, row: dict[str, Any] | None, changes_batching_only: bool) -> str:
+    """The verdict of a contender that changes only batching (`batching_only`, a plain recipe: no
+    custom code) and whose batching check passed: it trains the reference's computation on the
+    reference's documents, window by window, in the reference's steps, so an order band too wide to
+    see 1% ("unjudged") becomes "pass". What the check cannot see is the effect of another order of
+    the documents inside a window on training, which the order band still fails when it is
+    detected; a fail stands."""
+    if verdict == "unjudged" and changes_batching_only and row is not None and row.get("passed") is True:
+        return "pass"
+    return verdict
+
+
+__all__ = ["BATCHING_TOLERANCE", "BatchingCheck", "batching_only", "check_batching", "failure_note", "vouch"]

@@ -62,7 +62,9 @@ class LoopContender(Contender):
 
     @abstractmethod
     def train_step(self, batch: Batch) -> torch.Tensor:
-        """One optimizer step on `batch`; returns the loss (left on the device)."""
+        """Forward and backward of `batch` (scaled by its `weight`, where it has one), then the
+        optimizer step where the batch ends one (`step_end`, default True); returns the batch's own
+        mean loss (left on the device)."""
 
     def data_wait_since(self, mark: int) -> float:
         """Seconds spent waiting for data since `round_mark()` returned `mark`."""
@@ -74,22 +76,31 @@ class LoopContender(Contender):
     def run_round(
         self, real_token_budget: int | None, max_steps: int | None = None, max_seconds: float | None = None
     ) -> RoundStats:
+        """A batch with `step_end` False is a micro-batch: its loss counts with its `weight` (its
+        share of the step's targets) and the step ends with the batch whose `step_end` is True (a
+        paired window grouped into the reference's steps, WindowedLoader). A round never ends
+        inside a step."""
         real = padded = steps = 0
         losses: list[torch.Tensor] = []  # kept on the device until the round ends: no sync per step
+        step_loss: torch.Tensor | None = None
         mark = self.round_mark()
         sync_device(self.device)
         t0 = time.perf_counter()
-        while (
+        while step_loss is not None or (
             (real_token_budget is None or real < real_token_budget)
             and (max_steps is None or steps < max_steps)
             and (max_seconds is None or steps == 0 or time.perf_counter() - t0 < max_seconds)
         ):
             batch = next(self.batches)
             self.shapes_seen.add(batch.shape)
-            losses.append(self.train_step(batch).detach())
+            part = self.train_step(batch).detach() * getattr(batch, "weight", 1.0)
+            step_loss = part if step_loss is None else step_loss + part
             real += batch.real_tokens
             padded += batch.padded_tokens
-            steps += 1
+            if getattr(batch, "step_end", True):
+                losses.append(step_loss)
+                step_loss = None
+                steps += 1
         sync_device(self.device)
         return RoundStats(
             seconds=time.perf_counter() - t0,
@@ -120,14 +131,22 @@ per batch is rescaled."""
 
 
 def matched_loader(
-    build: Callable[[int | None], Any], tokens_per_batch: int, target: float | None, min_tokens: int = 1
+    build: Callable[[int | None], Any],
+    tokens_per_batch: int,
+    target: float | None,
+    min_tokens: int = 1,
+    *,
+    fits: Callable[[Any], bool] | None = None,
 ):
     """A loader whose batches carry `target` real tokens on average (within MATCH_TOLERANCE).
 
     Shape policies pad differently, so the same positions per batch hold different real tokens per
     optimizer step; comparing them as is would compare different training (fewer, fuller steps).
     The budget is rescaled by the measured ratio and the loader rebuilt, at most three times; it never
-    goes below `min_tokens` (one full row), so a tiny target may stay above it."""
+    goes below `min_tokens` (one full row), so a tiny target may stay above it. `fits`: a condition
+    the loader must meet (a paired contender: every window holds at least as many of its batches as
+    the reference has steps there); where the matched loader does not, the largest budget that does
+    is found by bisection (fewer tokens per batch, more batches)."""
     loader = build(None)
     if target is None:
         return loader
@@ -135,7 +154,7 @@ def matched_loader(
     best = (abs(have - target), tokens_per_batch, loader)
     for _ in range(3):
         if abs(have - target) <= MATCH_TOLERANCE * target:
-            return loader
+            break
         scaled = max(min_tokens, round(tokens_per_batch * target / have))
         if scaled == tokens_per_batch:
             break
@@ -149,7 +168,38 @@ def matched_loader(
             if tpb >= min_tokens:
                 cand = build(tpb)
                 best = min(best, (abs(real_tokens_per_step(cand) - target), tpb, cand), key=lambda b: b[0])
-    return best[2]
+    if fits is None or fits(best[2]):
+        return best[2]
+    lo, hi, found = min_tokens, best[1], None  # fewer tokens per batch: more batches per window
+    while hi - lo > max(1, lo // 100):
+        mid = (lo + hi) // 2
+        cand = build(mid)
+        if fits(cand):
+            lo, found = mid, cand
+        else:
+            hi = mid
+    return found if found is not None else build(min_tokens)
+
+
+def step_ends(tokens: list[int], steps: int) -> list[bool]:
+    """Group consecutive batches (their real tokens in `tokens`) into `steps` optimizer steps of
+    near-equal real tokens: per batch, whether it ends a step. Every step gets at least one batch,
+    so with fewer batches than `steps` each batch is a step of its own."""
+    n = len(tokens)
+    k = min(steps, n)
+    if k <= 0:
+        return [True] * n
+    cum = np.cumsum(np.asarray(tokens, dtype=np.float64))
+    ends, last = [], -1
+    for j in range(1, k):
+        lo, hi = last + 1, n - 1 - (k - j)  # leave at least one batch for each later step
+        target = j * cum[-1] / k
+        last = lo + int(np.argmin(np.abs(cum[lo : hi + 1] - target)))
+        ends.append(last)
+    flags = [False] * n
+    for e in [*ends, n - 1]:
+        flags[e] = True
+    return flags
 
 
 class DocumentWindows:
@@ -203,9 +253,13 @@ class WindowedLoader:
         *,
         order_seed: int = 0,
         plan_windows: int = 4,
+        steps_per_window: Callable[[int], int] | None = None,
     ):
         self.build, self.sequences, self.lengths = build, sequences, np.asarray(lengths)
         self.windows, self.order_seed, self.plan_windows = windows, order_seed, plan_windows
+        self.steps_per_window = steps_per_window
+        self.short_windows = 0
+        """Windows with fewer batches than the reference's steps (each batch then a step of its own)."""
         self._cache: dict[int, Any] = {}
         self.first = self.window_loader(0)  # fails here on a bad shape setting, like a ShapedLoader
 
@@ -227,8 +281,36 @@ class WindowedLoader:
             raise AttributeError(name)
         return getattr(self.first, name)
 
+    def steps_in(self, w: int) -> int:
+        """Optimizer steps this loader trains window w in: the reference's (`steps_per_window`),
+        else one per batch."""
+        batches = len(self.window_loader(w).plans(epoch=0))
+        return batches if self.steps_per_window is None else min(batches, self.steps_per_window(w))
+
     def forever(self) -> Iterator[Batch]:
+        """Window after window. With `steps_per_window` (the reference's step count of each window),
+        a window's batches are grouped into that many optimizer steps (micro-batches with `weight`
+        and `step_end`): every paired contender then trains each window's documents in the
+        reference's number of steps, whatever its shape policy's batch count, so after any step
+        count all of them have consumed the same windows."""
         w = 0
         while True:
-            yield from self.window_loader(w)
+            loader = self.window_loader(w)
+            if self.steps_per_window is None:
+                yield from loader
+            else:
+                tokens = [self.predicted_tokens(p) for p in loader.plans(epoch=0)]
+                wanted = self.steps_per_window(w)
+                self.short_windows += len(tokens) < wanted
+                ends = step_ends(tokens, wanted)
+                totals: list[int] = []  # each batch's step total, so weights sum to 1 per step
+                group: list[int] = []
+                for t, end in zip(tokens, ends):
+                    group.append(t)
+                    if end:
+                        totals += [sum(group)] * len(group)
+                        group = []
+                for batch, end, t, total in zip(loader, ends, tokens, totals):
+                    batch.step_end, batch.weight = end, t / max(total, 1)
+                    yield batch
             w += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -43,7 +44,7 @@ from ..runtime import resolve_device
 from ..session import Session
 from ..shapes.loader import Batch, ShapedLoader
 from ..workloads import get_workload
-from .batching_check import check_batching, failure_note
+from .batching_check import batching_only, check_batching, failure_note, vouch
 from .contenders import (
     Contender,
     DocumentWindows,
@@ -138,6 +139,12 @@ class Pairing:
     windows: DocumentWindows
     init_state: dict[str, torch.Tensor] | None = None
     """The reference model's weights before its first step (on the host); set by the first load."""
+    reference_steps: WindowedLoader | None = None
+    """The reference's windowed loader: how many optimizer steps it trains each window in."""
+    windows_needed: int = 0
+    """Windows the run will train (with a margin): each must hold a contender's steps."""
+    _steps: dict[int, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def load_init(self, model: torch.nn.Module) -> str:
         """Give `model` the reference's initial weights (the first model seen becomes the reference);
@@ -153,6 +160,35 @@ class Pairing:
             return "own (parameters differ from the reference's)"
         model.load_state_dict(self.init_state)
         return "reference"
+
+    def adopt_steps(self, reference: WindowedLoader) -> None:
+        """The first loader seen is the reference's: every later one trains each window in its steps."""
+        if self.reference_steps is None:
+            self.reference_steps = reference
+
+    def plan_windows(self, steps: int, margin: int = 2) -> None:
+        """Set `windows_needed` for a run of `steps` optimizer steps of the reference."""
+        total = w = 0
+        while total < steps:
+            total += self.steps_per_window(w)
+            w += 1
+        self.windows_needed = w + margin
+
+    def fits(self, loader: Any) -> bool:
+        """Whether a contender's loader cuts every window the run needs into at least the
+        reference's steps there (then each step gets at least one of its batches)."""
+        windowed = getattr(loader, "loader", loader)
+        return all(
+            len(windowed.window_loader(w).plans(epoch=0)) >= self.steps_per_window(w)
+            for w in range(self.windows_needed)
+        )
+
+    def steps_per_window(self, w: int) -> int:
+        """The reference's optimizer steps in window w (asked from the contenders' prefetch threads)."""
+        with self._lock:
+            if w not in self._steps:
+                self._steps[w] = self.reference_steps.steps_in(w)  # type: ignore[union-attr]
+            return self._steps[w]
 
 
 class RecipeContender(LoopContender):
@@ -210,13 +246,21 @@ class RecipeContender(LoopContender):
                     sequences, tokens_per_batch, None, pad_id=data.pad_id, lengths=lengths
                 )
 
+            steps = None if pairing.reference_steps is None else pairing.steps_per_window
             windowed = WindowedLoader(
-                window, data.train, data.train_lengths, pairing.windows, order_seed=order_seed
-            )
+                window, data.train, data.train_lengths, pairing.windows, order_seed=order_seed,
+                steps_per_window=steps,
+            )  # fmt: skip
             return self.session._maybe_prefetch(windowed)
 
         shapes = self.recipe.shapes
-        self.loader = matched_loader(loader, shapes.tokens_per_batch, real_tokens_per_step, shapes.max_len)
+        paired_later = pairing is not None and pairing.reference_steps is not None
+        self.loader = matched_loader(
+            loader, shapes.tokens_per_batch, real_tokens_per_step, shapes.max_len,
+            fits=pairing.fits if paired_later else None,  # type: ignore[union-attr]
+        )  # fmt: skip
+        if pairing is not None:
+            pairing.adopt_steps(getattr(self.loader, "loader", self.loader))
         self.batches = self.loader.forever()
         self.val_loader = ShapedLoader(
             data.validation,
@@ -245,11 +289,13 @@ class RecipeContender(LoopContender):
         return self._permute_rows(batch) if self.row_seed else batch
 
     def train_step(self, batch: Batch) -> torch.Tensor:
+        weight, step_end = getattr(batch, "weight", 1.0), getattr(batch, "step_end", True)
         batch = self.step_inputs(batch)
         with self.session.autocast():
             loss = loss_of(self.model(**batch))
-        self.session.backward(loss)
-        self.session.step(self.optimizer)
+        self.session.backward(loss if weight == 1.0 else loss * weight)
+        if step_end:
+            self.session.step(self.optimizer)
         return loss
 
     def window_batches(self) -> list[tuple[Batch, int]]:
@@ -315,6 +361,8 @@ class RecipeContender(LoopContender):
             "distinct_shapes": m.distinct_shapes,
             "recompiles": m.recompiles,
             "init": self.init_note,
+            # windows its shape policy cut into fewer batches than the reference's steps there
+            "short_windows": getattr(getattr(self.loader, "loader", self.loader), "short_windows", 0),
             "recipe": self.recipe.to_dict(),
             **({"decisions_list": [{"field": k, **v} for k, v in decisions.items()]} if decisions else {}),
             **{k: v for k, v in m.extra.items() if isinstance(v, (int, float, str, bool))},
@@ -527,6 +575,10 @@ def run_bench(
         cuda_memory.keep(c.name, since)
         if match_steps and target is None:
             target = real_tokens_per_step(c.loader)
+        if pairing is not None and not pairing.windows_needed and pairing.reference_steps is not None:
+            # the windows the reference will train: warm-up, then its rounds or parity_steps
+            per_round = max(1.0, budget / max(target or real_tokens_per_step(c.loader), 1.0))
+            pairing.plan_windows(warmup_steps + max(parity_steps, math.ceil(rounds * per_round)))
     noise: list[Contender] = []
     base_seed = specs[0].runtime.seed
 
@@ -693,12 +745,17 @@ def run_bench(
             if numerics_null is not None and isinstance(c, RecipeContender) and c is not contenders[0]:
                 if same_batches(contenders[0].recipe, c.recipe):
                     used = numerics_null  # the same batches as the reference: only numerics can differ
+            vouched = False
             if used is not None:
                 verdict, gap = judge_paired(val, ref_val, used)
                 if verdict == "fail" and c.kind == "peer":
                     # a peer has its own init and data order: only the seed-band rule can fail it
                     seed_rule, _, _ = judge_parity(val, ref_val, DEFAULT_PARITY_TOLERANCE, parity_floor)
                     verdict = seed_rule if seed_rule == "fail" else "unjudged"
+                if used is null and type(c) is RecipeContender and c is not contenders[0]:
+                    only = batching_only(contenders[0].recipe, c.recipe)  # type: ignore[attr-defined]
+                    vouched = vouch(verdict, check, only) != verdict
+                    verdict = vouch(verdict, check, only)
                 if verdict == "unjudged" and c is not contenders[0]:
                     why = "not paired (own init and data order)" if c.kind == "peer" else ""
                     warnings.append(
@@ -712,6 +769,13 @@ def run_bench(
             if c is not contenders[0] and short_run(verdict, ref_trained, min_steps) != verdict:
                 verdict = "unjudged"
                 too_short.append(c.name)
+            short = c.info().get("short_windows", 0) if isinstance(c, RecipeContender) else 0
+            if short and verdict == "pass":  # its steps drifted from the reference's windows
+                verdict = "unjudged"
+                warnings.append(
+                    f"{c.name}: parity unjudged: {short} window(s) held fewer of its batches than the "
+                    "reference's steps, so its steps no longer met the reference's documents"
+                )
             if c is contenders[0]:
                 verdict = "reference"
             elif c.name in capped:
@@ -770,7 +834,7 @@ def run_bench(
                     parity_sampling_error=sampling_error,
                     parity_band_kind=None
                     if used is None or c is contenders[0]
-                    else ("numerics" if used is numerics_null else "order"),
+                    else ("numerics" if used is numerics_null else "order+check" if vouched else "order"),
                     parity_tolerance=used.threshold if used is not None else max(band, parity_floor),
                     parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
                     mfu=mfu,

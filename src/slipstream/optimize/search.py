@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import decisions, machine
+from ..bench.batching_check import batching_only, vouch
 from ..bench.runner import run_bench, same_batches
 from ..parity import (
     PARITY_RESOLUTION,
@@ -346,8 +347,11 @@ def optimize(
             noise = max(cur_noise, c.real_tokens_per_s_iqr / c.real_tokens_per_s, MIN_GAIN)
             used = numerics_band if same_batches(reference, resolve_recipe(spec)) else band
             verdict, gap = judge_paired(c.val_loss, ref_val, used)
-            verdict = short_run(verdict, cur.steps, min_steps)
             check = getattr(c, "batching_check", None) or {}
+            if used is band:  # batched differently: a change of batching alone is vouched by the check
+                # (against the stage's best, which was judged when it was kept)
+                verdict = vouch(verdict, check, batching_only(resolve_recipe(specs[0]), resolve_recipe(spec)))
+            verdict = short_run(verdict, cur.steps, min_steps)
             if check.get("passed") is False:  # its data path is not the reference's computation
                 verdict = "fail"
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
