@@ -5,6 +5,7 @@ contender's data with the reference's (DocumentWindows, WindowedLoader)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -220,6 +221,7 @@ class DocumentWindows:
         self.seed = seed
         self._windows: list[np.ndarray] = []
         self._epoch = 0
+        self._lock = threading.Lock()  # contenders' prefetch threads ask for windows concurrently
 
     def _cut_epoch(self) -> None:
         order = np.random.default_rng([self.seed, self._epoch]).permutation(len(self.positions))
@@ -230,9 +232,10 @@ class DocumentWindows:
         self._epoch += 1
 
     def order(self, w: int, order_seed: int = 0) -> np.ndarray:
-        while len(self._windows) <= w:
-            self._cut_epoch()
-        docs = self._windows[w]
+        with self._lock:  # two threads cutting the same epoch would append its windows twice
+            while len(self._windows) <= w:
+                self._cut_epoch()
+            docs = self._windows[w]
         if order_seed:
             docs = np.random.default_rng([self.seed, order_seed, w]).permutation(docs)
         return docs
@@ -261,14 +264,16 @@ class WindowedLoader:
         self.short_windows = 0
         """Windows with fewer batches than the reference's steps (each batch then a step of its own)."""
         self._cache: dict[int, Any] = {}
+        self._cache_lock = threading.Lock()  # the reference's is also read from other prefetch threads
         self.first = self.window_loader(0)  # fails here on a bad shape setting, like a ShapedLoader
 
     def window_loader(self, w: int):
-        if w not in self._cache:
-            docs = self.windows.order(w, self.order_seed)
-            self._cache = {k: v for k, v in self._cache.items() if k >= w - 1}  # keep memory flat
-            self._cache[w] = self.build([self.sequences[int(i)] for i in docs], self.lengths[docs])
-        return self._cache[w]
+        with self._cache_lock:
+            if w not in self._cache:
+                docs = self.windows.order(w, self.order_seed)
+                self._cache = {k: v for k, v in self._cache.items() if k >= w - 1}  # keep memory flat
+                self._cache[w] = self.build([self.sequences[int(i)] for i in docs], self.lengths[docs])
+            return self._cache[w]
 
     def plans(self, epoch: int = 0) -> list:
         return [p for w in range(self.plan_windows) for p in self.window_loader(w).plans(epoch=0)]
