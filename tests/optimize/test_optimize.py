@@ -234,6 +234,8 @@ def test_a_change_of_batching_alone_is_kept_on_its_check_where_the_order_band_is
         "gpt-stdlib", size="tiny", budget_s=100, stages=("shapes", "precision"), noise_seeds=4
     )
     verdicts = {c.overrides[0]: (c.parity, c.verdict) for c in res.candidates}
-    assert verdicts["shapes.mode=bucket"][0] == "pass" and verdicts["shapes.mode=bucket"][1].startswith("kept")
+    assert verdicts["shapes.mode=bucket"][0] == "pass" and verdicts["shapes.mode=bucket"][1].startswith(
+        "kept"
+    )
     assert verdicts["precision.dtype=bf16"][0] == "unjudged"
     assert res.best_spec == "baseline+shapes.mode=bucket"
