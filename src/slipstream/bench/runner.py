@@ -754,8 +754,8 @@ def run_bench(
                     verdict = seed_rule if seed_rule == "fail" else "unjudged"
                 if used is null and type(c) is RecipeContender and c is not contenders[0]:
                     only = batching_only(contenders[0].recipe, c.recipe)  # type: ignore[attr-defined]
-                    vouched = vouch(verdict, check, only) != verdict
-                    verdict = vouch(verdict, check, only)
+                    vouched_verdict = vouch(verdict, check, only)
+                    vouched, verdict = vouched_verdict != verdict, vouched_verdict
                 if verdict == "unjudged" and c is not contenders[0]:
                     why = "not paired (own init and data order)" if c.kind == "peer" else ""
                     warnings.append(
