@@ -94,7 +94,10 @@ class LoopContender(Contender):
         ):
             batch = next(self.batches)
             self.shapes_seen.add(batch.shape)
-            part = self.train_step(batch).detach() * getattr(batch, "weight", 1.0)
+            part = self.train_step(batch).detach()
+            weight = getattr(batch, "weight", 1.0)
+            if weight != 1.0:  # a micro-batch: no extra kernel for a whole-step batch
+                part = part * weight
             step_loss = part if step_loss is None else step_loss + part
             real += batch.real_tokens
             padded += batch.padded_tokens
@@ -286,12 +289,6 @@ class WindowedLoader:
             raise AttributeError(name)
         return getattr(self.first, name)
 
-    def steps_in(self, w: int) -> int:
-        """Optimizer steps this loader trains window w in: the reference's (`steps_per_window`),
-        else one per batch."""
-        batches = len(self.window_loader(w).plans(epoch=0))
-        return batches if self.steps_per_window is None else min(batches, self.steps_per_window(w))
-
     def forever(self) -> Iterator[Batch]:
         """Window after window. With `steps_per_window` (the reference's step count of each window),
         a window's batches are grouped into that many optimizer steps (micro-batches with `weight`
@@ -308,14 +305,9 @@ class WindowedLoader:
                 wanted = self.steps_per_window(w)
                 self.short_windows += len(tokens) < wanted
                 ends = step_ends(tokens, wanted)
-                totals: list[int] = []  # each batch's step total, so weights sum to 1 per step
-                group: list[int] = []
-                for t, end in zip(tokens, ends):
-                    group.append(t)
-                    if end:
-                        totals += [sum(group)] * len(group)
-                        group = []
+                step_of = np.cumsum([0, *ends[:-1]])  # each batch's step within the window
+                totals = np.bincount(step_of, weights=tokens)[step_of]  # so weights sum to 1 per step
                 for batch, end, t, total in zip(loader, ends, tokens, totals):
-                    batch.step_end, batch.weight = end, t / max(total, 1)
+                    batch.step_end, batch.weight = end, t / max(float(total), 1.0)
                     yield batch
             w += 1

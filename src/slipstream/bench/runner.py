@@ -177,18 +177,27 @@ class Pairing:
     def fits(self, loader: Any) -> bool:
         """Whether a contender's loader cuts every window the run needs into at least the
         reference's steps there (then each step gets at least one of its batches)."""
-        windowed = getattr(loader, "loader", loader)
         return all(
-            len(windowed.window_loader(w).plans(epoch=0)) >= self.steps_per_window(w)
+            _batches_in(windowed_loader(loader), w) >= self.steps_per_window(w)
             for w in range(self.windows_needed)
         )
 
     def steps_per_window(self, w: int) -> int:
-        """The reference's optimizer steps in window w (asked from the contenders' prefetch threads)."""
+        """The reference's optimizer steps in window w, one per batch (asked from the contenders'
+        prefetch threads)."""
         with self._lock:
             if w not in self._steps:
-                self._steps[w] = self.reference_steps.steps_in(w)  # type: ignore[union-attr]
+                self._steps[w] = _batches_in(self.reference_steps, w)  # type: ignore[arg-type]
             return self._steps[w]
+
+
+def windowed_loader(loader: Any) -> Any:
+    """The WindowedLoader under a contender's loader (inside its prefetch wrapper, where it has one)."""
+    return getattr(loader, "loader", loader)
+
+
+def _batches_in(loader: WindowedLoader, w: int) -> int:
+    return len(loader.window_loader(w).plans(epoch=0))
 
 
 class RecipeContender(LoopContender):
@@ -260,7 +269,7 @@ class RecipeContender(LoopContender):
             fits=pairing.fits if paired_later else None,  # type: ignore[union-attr]
         )  # fmt: skip
         if pairing is not None:
-            pairing.adopt_steps(getattr(self.loader, "loader", self.loader))
+            pairing.adopt_steps(windowed_loader(self.loader))
         self.batches = self.loader.forever()
         self.val_loader = ShapedLoader(
             data.validation,
@@ -362,7 +371,7 @@ class RecipeContender(LoopContender):
             "recompiles": m.recompiles,
             "init": self.init_note,
             # windows its shape policy cut into fewer batches than the reference's steps there
-            "short_windows": getattr(getattr(self.loader, "loader", self.loader), "short_windows", 0),
+            "short_windows": getattr(windowed_loader(self.loader), "short_windows", 0),
             "recipe": self.recipe.to_dict(),
             **({"decisions_list": [{"field": k, **v} for k, v in decisions.items()]} if decisions else {}),
             **{k: v for k, v in m.extra.items() if isinstance(v, (int, float, str, bool))},
@@ -769,7 +778,8 @@ def run_bench(
             if c is not contenders[0] and short_run(verdict, ref_trained, min_steps) != verdict:
                 verdict = "unjudged"
                 too_short.append(c.name)
-            short = c.info().get("short_windows", 0) if isinstance(c, RecipeContender) else 0
+            info = c.info()
+            short = info.get("short_windows", 0)
             if short and verdict == "pass":  # its steps drifted from the reference's windows
                 verdict = "unjudged"
                 warnings.append(
@@ -783,7 +793,6 @@ def run_bench(
                 warnings.append(
                     f"{c.name}: rounds cut at {max_round_s:.0f} s before the token budget; parity not judged"
                 )
-            info = c.info()
             row_len = info.get("recipe", {}).get("shapes", {}).get("max_len", 0)
             mfu = (
                 med
