@@ -121,6 +121,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
             "band_kind": c.get("parity_band_kind"), "tolerance": c.get("parity_tolerance"),
             "detectable_effect": c.get("parity_detectable_effect"), "steps": c["steps"],
             "real_tokens": c["real_tokens"], "batching_check": c.get("batching_check"),
+            "curve_check": c.get("curve_check"),
         })  # fmt: skip
     return {
         "seed": seed,
@@ -138,6 +139,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
                 "parity_detectable_effect",
                 "parity_null_sigma",
                 "parity_noise_val_losses",
+                "parity_curve_band",
                 "parity_window_tokens",
                 "val_real_tokens",
                 "real_tokens_per_step",
@@ -201,9 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         for c in run["contenders"]:
             de = c["detectable_effect"]
+            curve = c.get("curve_check") or {}
             print(
                 f"  {c['label']:30} {c['kind']:9} gap {c['parity_gap']:.3%} {c['parity']:9} "
-                f"band {c['band_kind']} {c['tolerance']:.3%} detects {'-' if de is None else f'{de:.3%}'}",
+                f"band {c['band_kind']} {c['tolerance']:.3%} detects {'-' if de is None else f'{de:.3%}'}"
+                + (
+                    f"; curve gap {curve['gap']:.3%} of {curve['tolerance']:.3%}"
+                    if curve.get("gap") is not None
+                    else ""
+                ),
                 flush=True,
             )
         if args.json:  # after every seed: an interrupted experiment keeps what it measured

@@ -249,17 +249,30 @@ def test_a_pass_on_a_short_run_is_unjudged_and_a_detected_difference_stands():
 def test_bench_adds_rounds_until_the_reference_trained_parity_steps_and_judges_only_then():
     from slipstream.bench import run_bench
 
+    from slipstream.bench.faults import lr_times
+
     fused = "baseline" + SMALL + "+optimizer.impl=fused"  # the reference's batches and numerics
     kw = dict(size="tiny", rounds=1, round_tokens=600, warmup_steps=1, val_batches=1, memory="skip",
               noise_seeds=1)  # fmt: skip
-    long = run_bench("gpt-stdlib", ["baseline" + SMALL, fused], parity_steps=4, **kw).to_dict()
+    faster = lr_times("baseline" + SMALL, 3.0)
+    long = run_bench("gpt-stdlib", ["baseline" + SMALL, fused, faster], parity_steps=4, **kw).to_dict()
     m = long["method"]
     assert m["rounds_asked"] == 1 and m["rounds"] > 1 and m["parity_steps_trained"] >= 4
-    ref, cand = long["contenders"]
+    ref, cand, lr3 = long["contenders"]
     assert ref["steps"] == m["parity_steps_trained"] and cand["steps"] == ref["steps"]
     # every round is timed: one tokens/s figure per round, for the reference and the contender
     assert len(ref["round_tokens_per_s"]) == len(cand["round_tokens_per_s"]) == m["rounds"]
     assert cand["parity"] == "pass", long["warnings"]
+    # the curve check: the same batches, step for step; the fused optimizer's curve is the reference's
+    # (to rounding), lr x 3's is not, whatever its final validation loss
+    assert ref["curve_check"] is None
+    assert m["parity_curve_band"]["val_losses"][0] == pytest.approx(cand["curve_check"]["reference"])
+    assert cand["curve_check"]["passed"] and cand["curve_check"]["gap"] < 1e-4
+    assert lr3["curve_check"]["passed"] is False and lr3["parity"] == "fail"
+    assert lr3["curve_check"]["gap"] > 10 * m["parity_curve_band"]["threshold"]
+    assert any(
+        w.startswith(lr3["name"] + ": parity fail: on the reference's batches") for w in long["warnings"]
+    )
     # --parity-steps 0: only the rounds asked for, and a pass that short is not trusted
     short = run_bench("gpt-stdlib", ["baseline" + SMALL, fused], parity_steps=0, **kw).to_dict()
     assert short["method"]["rounds"] == 1 and short["method"]["parity_steps_trained"] < PARITY_MIN_STEPS
@@ -273,6 +286,22 @@ def test_bench_adds_rounds_until_the_reference_trained_parity_steps_and_judges_o
         f"judged after {m['parity_steps_trained']} optimizer steps ({m['rounds']} rounds)"
         in (summary_lines(long)[0])
     )
+
+
+def test_the_curve_check_fails_only_beyond_its_band_and_a_curve_that_is_not_finite():
+    from slipstream.bench.curve_check import check_curve, mean_train_loss
+
+    band = null_band(3.0, [3.0 * (1 + 1e-6)], 0.002)
+    assert mean_train_loss([3.0, 2.0, 1.0]) == pytest.approx(2.0) and math.isnan(mean_train_loss([]))
+    assert check_curve(3.003, 3.0, band)["passed"] and check_curve(3.003, 3.0, band)["gap"] == pytest.approx(
+        1e-3
+    )
+    off = check_curve(2.9, 3.0, band)
+    assert (
+        off["passed"] is False and off["tolerance"] == band.threshold and off["gap"] == pytest.approx(1 / 30)
+    )
+    diverged = check_curve(math.nan, 3.0, band)
+    assert diverged["passed"] is False and diverged["gap"] is None
 
 
 def test_batching_check_gap_and_verdict():

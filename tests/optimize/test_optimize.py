@@ -239,3 +239,85 @@ def test_a_change_of_batching_alone_is_kept_on_its_check_where_the_order_band_is
     )
     assert verdicts["precision.dtype=bf16"][0] == "unjudged"
     assert res.best_spec == "baseline+shapes.mode=bucket"
+
+
+def test_a_change_of_numerics_on_kept_batching_is_judged_on_the_numerics_band_from_its_anchor(
+    monkeypatch, machine_like
+):
+    """After bucket is kept (vouched by its check), bf16 on bucket's batches no longer shares the
+    reference's batches: the order band (3% wide) could not judge it. It is measured, paired with
+    the stage's best, on the numerics band (0.2%) from the recipe kept with those batches; the fused
+    optimizer on top carries bf16's gap with it, so two gaps under the band that add up past it
+    fail."""
+    machine_like(bf16=0.9, fp16=0.5)
+
+    def optimize(figures):
+        calls = []
+        plain = fake_bench(figures, calls, null_losses=[3.0, 3.09, 2.95, 3.05, 2.97])
+
+        def run(workload, specs, **kwargs):
+            res = plain(workload, specs, **kwargs)
+            res.method["parity_numerics_band"] = {"val_losses": [3.0, 3.0001], "source": "row order"}
+            for c in res.contenders:
+                c.batching_check = {"gap": 1e-8, "tolerance": 1e-4, "passed": True}
+            return res
+
+        monkeypatch.setattr(search, "run_bench", run)
+        res = search.optimize(
+            "gpt-stdlib",
+            size="tiny",
+            budget_s=100,
+            stages=("shapes", "precision", "optimizer"),
+            noise_seeds=4,
+        )
+        return res, {c.overrides[0]: c for c in res.candidates}
+
+    figures = {"base": (100.0, 1.0, 3.0), "shapes.mode=bucket": (150.0, 1.0, 3.01),
+               "precision.dtype=bf16": (200.0, 1.0, 3.0115), "optimizer.impl=fused": (250.0, 1.0, 3.017)}  # fmt: skip
+    res, by = optimize(figures)
+    bf16 = by["precision.dtype=bf16"]
+    assert bf16.parity == "pass" and bf16.verdict.startswith("kept")
+    assert bf16.parity_against == "baseline+shapes.mode=bucket" and 0.002 <= bf16.parity_band < 0.0022
+    assert bf16.parity_gap == pytest.approx(0.0015 / 3.01)
+    fused = by["optimizer.impl=fused"]  # 0.18% from bf16, 0.23% from bucket: fails
+    assert fused.parity == "fail" and fused.parity_gap == pytest.approx(0.007 / 3.01)
+    assert "(vs `baseline+shapes.mode=bucket`, numerics band)" in fused.verdict
+    assert res.best_spec == "baseline+shapes.mode=bucket+precision.dtype=bf16"
+    assert by["shapes.mode=bucket"].parity_against is None  # judged against the reference
+    assert "vs `baseline+shapes.mode=bucket`" in search_report(res)
+
+    figures["precision.dtype=bf16"] = (200.0, 1.0, 3.05)  # 1.3% off bucket: within the order band
+    res, by = optimize(figures)
+    assert by["precision.dtype=bf16"].parity == "fail" and res.best_spec == "baseline+shapes.mode=bucket"
+
+
+def search_report(res) -> str:
+    from slipstream.optimize.report import markdown
+
+    return markdown(res.to_dict())
+
+
+def test_a_candidate_on_the_bests_batches_whose_training_curve_differs_is_rejected(monkeypatch, machine_like):
+    """The curve check (bench's method 6): same final validation loss, but on the same batches its
+    training loss averaged 5% lower than the best's: it trains differently (lr x 3 on GPT tiny)."""
+    machine_like(bf16=0.5, fp16=0.5)
+    calls = []
+    plain = fake_bench({"base": (100.0, 1.0, 3.0), "optimizer.impl=fused": (150.0, 1.0, 3.0),
+                        "optimizer.impl=for-loop": (140.0, 1.0, 3.0)}, calls)  # fmt: skip
+
+    def run(workload, specs, **kwargs):
+        res = plain(workload, specs, **kwargs)
+        res.method["parity_curve_band"] = {"val_losses": [3.0, 3.0], "source": "row order"}
+        for c in res.contenders:
+            shift = 0.95 if c.name.endswith("fused") else 1.0
+            c.loss_curve = [(100 * i, shift * (4.0 - 0.1 * i)) for i in range(10)]
+        return res
+
+    monkeypatch.setattr(search, "run_bench", run)
+    res = search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("optimizer",), noise_seeds=4)
+    by = {c.overrides[0]: c for c in res.candidates}
+    assert by["optimizer.impl=fused"].parity == "fail"
+    assert by["optimizer.impl=fused"].verdict.startswith("rejected: curve check: on the best's batches")
+    assert "5.00% off" in by["optimizer.impl=fused"].verdict
+    assert by["optimizer.impl=for-loop"].verdict.startswith("kept")
+    assert res.best_spec == "baseline+optimizer.impl=for-loop"

@@ -44,6 +44,7 @@ from ..runtime import resolve_device
 from ..session import Session
 from ..shapes.loader import Batch, ShapedLoader
 from ..workloads import get_workload
+from . import curve_check
 from .batching_check import batching_only, check_batching, failure_note, vouch
 from .contenders import (
     Contender,
@@ -112,6 +113,10 @@ class ContenderResult:
     batching_check: dict[str, Any] | None = None
     """Paired recipe contenders: window 0 through its data path vs the reference's, with the
     reference's final weights (slipstream.bench.batching_check); a gap beyond tolerance fails parity."""
+    curve_check: dict[str, Any] | None = None
+    """Contenders judged on the numerics band: their mean training loss over the timed steps vs the
+    reference's, on the same batches (slipstream.bench.curve_check); a gap beyond the numerics
+    re-runs' band fails parity."""
 
 
 @dataclass
@@ -711,6 +716,12 @@ def run_bench(
                 say(f"validation {c.name}")
                 numerics_losses.append(c.validation_loss())
         numerics_null: NullBand | None = None
+        curve_null: NullBand | None = None
+        curve_means = {
+            c.name: curve_check.mean_train_loss([x for st in per_round[c.name] for x in st.losses])
+            for c in everyone
+            if c.name not in failed
+        }
         min_steps = min_judged_steps(parity_steps)
         too_short: list[str] = []
         ref_model = getattr(contenders[0], "model", None)
@@ -749,6 +760,10 @@ def run_bench(
                             val, numerics_losses, parity_floor, resolution=parity_resolution,
                             source=NUMERICS_SOURCE,
                         )  # fmt: skip
+                        curve_null = null_band(
+                            curve_means[c.name], [curve_means[n.name] for n in numerics if n.name in curve_means],
+                            parity_floor, resolution=parity_resolution, source=curve_check.CURVE_SOURCE,
+                        )  # fmt: skip
             sampling_error = _paired_sampling_error(sums, ref_sums) if paired else None
             used: NullBand | None = null
             if numerics_null is not None and isinstance(c, RecipeContender) and c is not contenders[0]:
@@ -775,6 +790,14 @@ def run_bench(
             if check is not None and check.get("passed") is False:
                 verdict = "fail"
                 warnings.append(failure_note(c.name, check))
+            trajectory: dict[str, Any] | None = None
+            if used is numerics_null and curve_null is not None and c is not contenders[0]:
+                trajectory = curve_check.check_curve(
+                    curve_means[c.name], curve_means[contenders[0].name], curve_null
+                )
+                if not trajectory["passed"]:
+                    verdict = "fail"
+                    warnings.append(curve_check.failure_note(c.name, trajectory))
             if c is not contenders[0] and short_run(verdict, ref_trained, min_steps) != verdict:
                 verdict = "unjudged"
                 too_short.append(c.name)
@@ -853,6 +876,7 @@ def run_bench(
                     time_breakdown_s={"compute": max(0.0, seconds - data_wait), "data_wait": data_wait},
                     info={k: v for k, v in info.items() if k not in ("distinct_shapes", "recompiles")},
                     batching_check=check,
+                    curve_check=trajectory,
                 )
             )
         if too_short:
@@ -887,6 +911,7 @@ def run_bench(
                 "parity_window_tokens": pairing.windows.window_tokens if pairing else None,
                 "val_real_tokens": sum(ref_sums[1]) if ref_sums else None,
                 "parity_numerics_band": numerics_null.to_dict() if numerics_null else None,
+                "parity_curve_band": curve_null.to_dict() if curve_null else None,
                 "real_tokens_per_step": target,
                 "batch_search": searched.to_dict() if searched else None,
                 "order": "interleaved A B C per round; medians over rounds",

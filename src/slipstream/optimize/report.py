@@ -16,6 +16,11 @@ def _fmt(value: Any, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _against(candidate: dict[str, Any]) -> str:
+    """Where a gap was measured from, when not the reference (numerics on kept batching)."""
+    return f" vs `{candidate['parity_against']}`" if candidate.get("parity_against") else ""
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# slipstream optimize: {result['workload']} ({result['size']}) from `{result['base']}`",
@@ -42,7 +47,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {c['stage']} | `{' '.join(c['overrides'])}` | {_fmt(c['real_tokens_per_s'], ',.0f')} | "
             f"{_fmt(c['speed_vs_best'], '.3f')} | {_fmt(c['noise'], '.1%')} | {_fmt(c['val_loss'], '.4f')} | "
-            f"{_fmt(c['parity_gap'], '.2%')} | {_fmt(c.get('parity_band'), '.2%')} | "
+            f"{_fmt(c['parity_gap'], '.2%')}{_against(c)} | {_fmt(c.get('parity_band'), '.2%')} | "
             f"{_fmt(c.get('parity_detectable_effect'), '.2%')} | {c['verdict']} |"
         )
     lines += ["", "| stage | outcome |", "|---|---|"]

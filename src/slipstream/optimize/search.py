@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import decisions, machine
+from ..bench import curve_check
 from ..bench.batching_check import batching_only, vouch
 from ..bench.runner import run_bench, same_batches
 from ..parity import (
@@ -103,6 +104,10 @@ class Candidate:
     """pass / fail / unjudged (the paired guard's verdict)."""
     parity_band: float | None = None
     """The allowed gap the verdict used (stage 0's null band threshold)."""
+    parity_against: str | None = None
+    """None: `parity_gap` is measured from the reference. A spec: a change of numerics on top of a
+    kept change of batching, measured on the numerics band from the recipe kept with those batches
+    (`_Anchor`)."""
     parity_detectable_effect: float | None = None
     """The smallest regression that verdict would have caught (~95%); above 1%: "unjudged"."""
     peak_memory_bytes: int | None = None
@@ -140,6 +145,38 @@ class OptimizeResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class _Anchor:
+    """What a candidate with these batches is judged against on the numerics band: the reference,
+    until a change of batching is kept; then the recipe kept with it (its batches, the reference's
+    numerics, judged when kept). Against the reference such a candidate's batches differ and only
+    the order band could judge it, which at 100 steps seldom resolves 1% (docs/bench.md). Each stage
+    measures the candidate paired with the stage's best in one run; `offset` carries the best's own
+    distance from the anchor (the kept numerics gaps, summed), so small gaps cannot add up unseen
+    over several numerics stages."""
+
+    spec: str
+    recipe: Recipe
+    val_loss: float
+    offset: float = 0.0
+    """The current best's val loss minus the anchor's, summed over the stages since it was kept."""
+
+    def seen_from(self, val_loss: float, best_val_loss: float) -> float:
+        """A candidate's val loss as if measured in the anchor's run: its paired difference from the
+        stage's best (same run, same batches) on top of the best's offset."""
+        return self.val_loss + self.offset + (val_loss - best_val_loss)
+
+
+def _curve_row(c: Any, best: Any, band: Any) -> dict[str, Any] | None:
+    """bench's curve check of candidate `c` against the stage's `best` (same run, same batches):
+    None where the stage results carry no loss curves or stage 0 measured no curve band."""
+    curves = [getattr(x, "loss_curve", None) for x in (c, best)]
+    if band is None or not all(curves):
+        return None
+    means = [curve_check.mean_train_loss([loss for _, loss in xs]) for xs in curves]  # type: ignore[union-attr]
+    return curve_check.check_curve(means[0], means[1], band)
 
 
 def _spec(base: str, overrides: list[str]) -> str:
@@ -262,6 +299,7 @@ def optimize(
     if searched:  # CUDA: every later stage trains at the size the reference stage searched, once
         base = f"{base}+shapes.tokens_per_batch={searched['choice']}+shapes.batch_search=off"
         say(f"reference tokens per batch: {searched['choice']} (searched; pinned for every stage)")
+        reference = resolve_recipe(base)  # the batches it trained: candidates with them share them
     ref_val = ref.contenders[0].val_loss
     vals = ref.method["parity_noise_val_losses"]
     band = null_band(vals[0], vals[1:], parity_floor, resolution=parity_resolution)
@@ -272,6 +310,13 @@ def optimize(
         numerics_band = null_band(
             nv[0], nv[1:], parity_floor, resolution=parity_resolution, source=numerics["source"]
         )
+    curve = ref.method.get("parity_curve_band")
+    curve_band = None
+    if curve:  # the curve check's band: the numerics re-run's mean training loss
+        cv = curve["val_losses"]
+        curve_band = null_band(
+            cv[0], cv[1:], parity_floor, resolution=parity_resolution, source=curve["source"]
+        )
     detectable = band.detectable if band.detectable != float("inf") else None
     per_contender_s = ref.wall_s / (1 + noise_seeds)
     say(
@@ -281,6 +326,7 @@ def optimize(
     )
 
     best: list[str] = []
+    anchor = _Anchor(base, reference, ref_val)
     best_tps = ref.contenders[0].real_tokens_per_s
     speedup = 1.0
     candidates: list[Candidate] = []
@@ -345,26 +391,48 @@ def optimize(
                 continue
             ratio = c.real_tokens_per_s / cur.real_tokens_per_s
             noise = max(cur_noise, c.real_tokens_per_s_iqr / c.real_tokens_per_s, MIN_GAIN)
-            used = numerics_band if same_batches(reference, resolve_recipe(spec)) else band
+            recipe = resolve_recipe(spec)
+            used = numerics_band if same_batches(reference, recipe) else band
             verdict, gap = judge_paired(c.val_loss, ref_val, used)
+            against: str | None = None
             check = getattr(c, "batching_check", None) or {}
+            if used is band and verdict != "fail" and anchor.recipe is not reference:
+                if same_batches(anchor.recipe, recipe):  # numerics on a kept change of batching
+                    used, against = numerics_band, anchor.spec
+                    verdict, gap = judge_paired(
+                        anchor.seen_from(c.val_loss, cur.val_loss), anchor.val_loss, used
+                    )
             if used is band:  # batched differently: a change of batching alone is vouched by the check
                 # (against the stage's best, which was judged when it was kept)
-                verdict = vouch(verdict, check, batching_only(resolve_recipe(specs[0]), resolve_recipe(spec)))
+                verdict = vouch(verdict, check, batching_only(resolve_recipe(specs[0]), recipe))
             verdict = short_run(verdict, cur.steps, min_steps)
             if check.get("passed") is False:  # its data path is not the reference's computation
                 verdict = "fail"
+            trajectory = (
+                _curve_row(c, cur, curve_band) if same_batches(resolve_recipe(specs[0]), recipe) else None
+            )
+            if (
+                trajectory is not None and not trajectory["passed"]
+            ):  # it trains differently on the same batches
+                verdict = "fail"
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
             cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
-            cand.parity_band = used.threshold
+            cand.parity_band, cand.parity_against = used.threshold, against
             cand.parity_detectable_effect = used.detectable if used.detectable != float("inf") else None
             if check.get("passed") is False:
                 cand.verdict = (
                     f"rejected: batching check: fed the reference's documents and final weights, its "
                     f"batches give a loss {check['gap'] or float('inf'):.2%} off (> {check['tolerance']:.2%})"
                 )
+            elif trajectory is not None and not trajectory["passed"]:
+                gap_words = "not finite" if trajectory["gap"] is None else f"{trajectory['gap']:.2%}"
+                cand.verdict = (
+                    f"rejected: curve check: on the best's batches its training loss averages {gap_words} "
+                    f"off the best's (> {trajectory['tolerance']:.2%})"
+                )
             elif verdict == "fail":
-                cand.verdict = f"rejected: parity gap {gap:.2%} > {used.threshold:.2%}"
+                vs = f" (vs `{against}`, numerics band)" if against else ""
+                cand.verdict = f"rejected: parity gap {gap:.2%} > {used.threshold:.2%}{vs}"
             elif verdict == "unjudged" and cur.steps < min_steps:
                 cand.verdict = "rejected: " + short_run_reason(cur.steps, min_steps)
             elif verdict == "unjudged":
@@ -393,6 +461,11 @@ def optimize(
             won = cand.overrides == opt
             cand.verdict = ("kept: " if won else "rejected: another candidate was faster; ") + cand.verdict
         best = _merge(best, tuple(opt))
+        kept = resolve_recipe(_spec(base, best))
+        if not same_batches(anchor.recipe, kept):  # a change of batching: numerics are judged from here
+            anchor = _Anchor(_spec(base, best), kept, c.val_loss)
+        elif anchor.recipe is not reference:
+            anchor.offset += c.val_loss - cur.val_loss
         best_tps = c.real_tokens_per_s
         speedup *= ratio
         outcome[name] = f"kept {' '.join(opt)} ({ratio:.3f}x)"
