@@ -8,9 +8,12 @@ effect of every run.
 
 One seeded run is one `run_bench` (every contender at `runtime.seed=S`, default rounds, round
 budget and parity steps — at least 100 optimizer steps of the reference —, 2 null re-runs): the reference (baseline), the harmless recipes (bucket, pack with the
-mask, fused AdamW, bf16 — run for its numerics even where it does not pay) and the planted faults
-of slipstream.bench.faults (lr x 3, pack with the document mask dropped, labels shifted by one,
-pure bf16, the first block frozen).
+mask, fused AdamW, bf16 — run for its numerics even where it does not pay —, and bucket + bf16,
+which changes batching and numerics together) and the planted faults of slipstream.bench.faults
+(lr x 3, pack with the document mask dropped, labels shifted by one, pure bf16, the first block
+frozen) plus lr x 3 on bucket (`bucket+lr-x3`). Labels for `--only`: bucket, pack,
+baseline+optimizer.impl=fused, bf16, bucket+precision.dtype=bf16, lr-x3, bucket+lr-x3,
+no-doc-mask, label-shift, bf16-pure, frozen-layer.
 
 `--model llama` is a Hugging Face LlamaForCausalLM built from a config (4 layers, d=256 for
 `small`; 2 layers, d=64 for `tiny`) on the gpt-stdlib documents re-tokenized with a byte-level BPE
@@ -37,7 +40,8 @@ from slipstream.files import write_json  # noqa: E402
 from slipstream.workloads import get_workload  # noqa: E402
 from slipstream.workloads.registry import WORKLOADS, Workload, WorkloadData, register_workload  # noqa: E402
 
-HARMLESS = ("bucket", "pack", "baseline+optimizer.impl=fused", "bf16")
+HARMLESS = ("bucket", "pack", "baseline+optimizer.impl=fused", "bf16", "bucket+precision.dtype=bf16")
+"""The last changes batching and numerics together: judged by its numerics twin (docs/bench.md)."""
 LLAMA_VOCAB = 2048
 LLAMA_SIZES = {"tiny": (64, 172, 2, 2, 1), "small": (256, 688, 4, 4, 2)}
 """size -> (hidden, intermediate, layers, heads, kv heads)."""
@@ -99,7 +103,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
     ref = f"baseline{extra}"
     harmless = [h.split("+")[0] + extra + "".join("+" + o for o in h.split("+")[1:]) for h in HARMLESS]
     faults, custom = fault_contenders(extra)
-    recipes = [ref, *harmless, lr_times(ref, 3.0), *faults]
+    recipes = [ref, *harmless, lr_times(ref, 3.0), lr_times(f"bucket{extra}", 3.0), *faults]
     if args.only:  # a subset, by label (the reference always runs)
         keep = set(args.only.split(","))
         recipes = [ref] + [r for r in recipes[1:] if _label(r, extra) in keep]
@@ -151,8 +155,8 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
 
 def _label(name: str, extra: str) -> str:
     """A contender's name without the run's overrides: the row it is summarised under."""
-    if "optimizer.lr=" in name:
-        return "lr-x3"
+    if "optimizer.lr=" in name:  # lr x 3 on the reference, or on bucket (batching and numerics)
+        return "bucket+lr-x3" if name.startswith("bucket") else "lr-x3"
     return name.split("@")[0] if "@" in name else name.replace(extra, "")
 
 

@@ -248,7 +248,6 @@ def test_a_pass_on_a_short_run_is_unjudged_and_a_detected_difference_stands():
 
 def test_bench_adds_rounds_until_the_reference_trained_parity_steps_and_judges_only_then():
     from slipstream.bench import run_bench
-
     from slipstream.bench.faults import lr_times
 
     fused = "baseline" + SMALL + "+optimizer.impl=fused"  # the reference's batches and numerics
@@ -360,3 +359,47 @@ def test_only_a_plain_change_of_batching_with_a_passed_check_is_vouched():
     assert vouch("unjudged", {"skipped": "parameters differ"}, True) == "unjudged"
     assert vouch("unjudged", None, True) == "unjudged"
     assert vouch("unjudged", passed, False) == "unjudged"  # precision or optimizer changed too
+
+
+def test_a_recipe_changing_batching_and_numerics_is_judged_by_its_twin_and_its_batching_check():
+    """bucket + bf16 against the reference: its twin (bf16 on the reference's batches) passes the
+    numerics band and the curve check, its batching check passes: it passes although one order
+    re-run cannot resolve 1%. bucket + lr x 3: its twin trains differently and fails it."""
+    from slipstream.bench import run_bench
+    from slipstream.bench.faults import lr_times
+
+    ref, bucket = "baseline" + SMALL, "bucket" + SMALL
+    both, faster = bucket + "+precision.dtype=bf16", lr_times(bucket, 3.0)
+    kw = dict(size="tiny", rounds=1, round_tokens=600, warmup_steps=1, val_batches=1, memory="skip",
+              noise_seeds=1, parity_steps=6)  # fmt: skip
+    res = run_bench("gpt-stdlib", [ref, bucket, both, faster], **kw).to_dict()
+    rows = {c["name"]: c for c in res["contenders"]}
+    assert rows[ref]["parity_twin"] is None and rows[bucket]["parity_twin"] is None  # batching alone
+    twin = rows[both]["parity_twin"]
+    assert twin["name"] == both + " (twin: the reference's batches)" and twin["verdict"] == "pass"
+    assert twin["curve_check"]["passed"] and twin["gap"] <= twin["tolerance"]
+    assert rows[both]["parity"] == "pass" and rows[both]["parity_band_kind"] == "twin+check"
+    assert rows[both]["batching_check"]["passed"]
+    assert rows[faster]["parity_twin"]["verdict"] == "fail" and rows[faster]["parity"] == "fail"
+    assert rows[faster]["parity_twin"]["curve_check"]["passed"] is False
+    # the twins are not results: one row per recipe asked for
+    assert len(res["contenders"]) == 4
+
+
+def test_a_twin_is_the_recipe_on_the_references_batches_and_decides_only_with_a_passed_check():
+    from slipstream.bench.twin import judge_with_twin, twin_recipe
+    from slipstream.presets import resolve_recipe
+
+    base = resolve_recipe("baseline")
+    twin = twin_recipe(base, resolve_recipe("bucket+precision.dtype=bf16+dataflow.prefetch=true"))
+    assert twin.shapes == base.shapes and twin.dataflow == base.dataflow and twin.precision.dtype == "bf16"
+    assert twin_recipe(base, resolve_recipe("bucket")) is None  # batching alone: the vouch rule
+    assert twin_recipe(base, resolve_recipe("baseline+precision.dtype=bf16")) is None  # same batches
+    assert twin_recipe(resolve_recipe("baseline+shapes.mode=auto"), resolve_recipe("auto")) is None
+    passed, failed = {"passed": True}, {"passed": False}
+    assert judge_with_twin("unjudged", passed, {"verdict": "pass"}) == "pass"
+    assert judge_with_twin("unjudged", passed, {"verdict": "fail"}) == "fail"
+    assert judge_with_twin("fail", passed, {"verdict": "pass"}) == "fail"  # a detected difference stands
+    assert judge_with_twin("unjudged", failed, {"verdict": "pass"}) == "unjudged"
+    assert judge_with_twin("unjudged", {"skipped": "kernels"}, {"verdict": "pass"}) == "unjudged"
+    assert judge_with_twin("unjudged", passed, {"verdict": "unjudged"}) == "unjudged"

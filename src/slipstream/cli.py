@@ -187,6 +187,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             match_steps=not args.no_match_steps,
             min_dtype_speed=min_dtype_speed,
             max_round_s=args.max_round_s,
+            twins=not args.no_twins,
             progress=say,
         )
     payload = result.to_dict()
@@ -416,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the reference at least this many optimizer steps, adding rounds, before judging "
         "parity (default: 100, where planted faults show in the loss); 0: only --rounds, and a pass "
         "on fewer than 100 steps is unjudged",
+    )
+    p.add_argument(
+        "--no-twins",
+        action="store_true",
+        help="no numerics twin for a recipe that changes batching and numerics together (auto, "
+        "bucket+bf16): one run less each, and its parity rests on the order band alone (docs/bench.md)",
     )
     p.add_argument(
         "--no-match-steps",

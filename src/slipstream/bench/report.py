@@ -111,7 +111,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     if peers:
         best = max(peers, key=lambda c: c["real_tokens_per_s"])
         line += f", {auto['real_tokens_per_s'] / best['real_tokens_per_s']:.2f}x the fastest peer ({best['name']})"
-    out.append(line + f"; parity {auto['parity']}")
+    how = f" ({auto['parity_band_kind']})" if auto.get("parity_band_kind") else ""
+    out.append(line + f"; parity {auto['parity']}{how}")
     return out
 
 

@@ -58,6 +58,7 @@ from .contenders import (
 from .memory import CudaMemory, peak_memory_in_subprocess
 from .mfu import model_flops_per_token, peak_flops_from_probe
 from .reference_batch import adopt, search_reference_batch
+from .twin import judge_with_twin, twin_recipe
 
 NOISY_IQR_RATIO = 0.1
 
@@ -113,6 +114,10 @@ class ContenderResult:
     batching_check: dict[str, Any] | None = None
     """Paired recipe contenders: window 0 through its data path vs the reference's, with the
     reference's final weights (slipstream.bench.batching_check); a gap beyond tolerance fails parity."""
+    parity_twin: dict[str, Any] | None = None
+    """A recipe that changes batching and numerics together: its twin (the same recipe on the
+    reference's shapes and dataflow) judged on the numerics band and curve check (slipstream.bench.twin):
+    `name`, `val_loss`, `gap`, `tolerance`, `verdict`, `curve_check`."""
     curve_check: dict[str, Any] | None = None
     """Contenders judged on the numerics band: their mean training loss over the timed steps vs the
     reference's, on the same batches (slipstream.bench.curve_check); a gap beyond the numerics
@@ -210,7 +215,7 @@ class RecipeContender(LoopContender):
 
     def __init__(
         self,
-        spec: str,
+        spec: str | Recipe,
         workload: str,
         size: str,
         data,
@@ -434,6 +439,48 @@ def _paired_sampling_error(
     return math.sqrt(var * float((w**2).sum())) / ref_loss if ref_loss else None
 
 
+def _twin_row(
+    twin: RecipeContender,
+    ref_val: float,
+    numerics: NullBand | None,
+    curve: NullBand | None,
+    curve_means: dict[str, float],
+    reference: Contender,
+) -> dict[str, Any]:
+    """The twin's own verdict against the reference: the numerics band on its validation loss, then
+    the curve check on its training loss (slipstream.bench.twin)."""
+    val = twin.validation_loss()
+    if numerics is None:
+        verdict, gap = "unjudged", abs(val - ref_val) / ref_val if ref_val else 0.0
+    else:
+        verdict, gap = judge_paired(val, ref_val, numerics)
+    trajectory = None
+    if curve is not None:
+        trajectory = curve_check.check_curve(curve_means[twin.name], curve_means[reference.name], curve)
+        if not trajectory["passed"]:
+            verdict = "fail"
+    return {
+        "name": twin.name,
+        "val_loss": val,
+        "gap": gap if math.isfinite(gap) else None,
+        "tolerance": numerics.threshold if numerics is not None else None,
+        "verdict": verdict,
+        "curve_check": trajectory,
+    }
+
+
+def _twin_failure(name: str, row: dict[str, Any]) -> str:
+    curve = row.get("curve_check") or {}
+    why = (
+        f"its training loss averages {curve['gap']:.2%} off the reference's"
+        if curve.get("passed") is False and curve.get("gap") is not None
+        else f"its validation loss is {row['gap']:.2%} off (> {row['tolerance']:.2%}, the numerics band)"
+        if row["gap"] is not None
+        else "its validation loss is not finite"
+    )
+    return f"{name}: parity fail: its twin (the same recipe on the reference's batches) fails: {why}"
+
+
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -492,6 +539,7 @@ def run_bench(
     real_tokens_per_step_target: float | None = None,
     custom: dict[str, Callable[..., Contender]] | None = None,
     tolerate_failures: bool = False,
+    twins: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Benchmark recipes (and peers) side by side; the first contender is the reference.
@@ -514,7 +562,9 @@ def run_bench(
     (`same_batches`: only numerics, optimizer or model can differ). Peers keep their own init and data order: they pass within the band, and are
     "unjudged" (not "fail") outside it unless the gap exceeds the seed-band rule. A recipe that
     forces a dtype the probe measured below `min_dtype_speed` x fp32 is skipped with the figures
-    (None runs every dtype).
+    (None runs every dtype). With `twins` (paired, `parity_steps` > 0) a recipe that changes batching
+    and numerics together trains beside a twin on the reference's batches, which judges its numerics
+    (slipstream.bench.twin; one more run per such recipe, not timed).
     `real_tokens_per_step_target` sets the matched figure instead of taking the first contender's
     (optimize does, so that every stage trains like its original reference). `custom` maps a name
     in `recipes`, written `label@recipe-spec` (the recipe it starts from), to a factory `(spec, workload, size, data, val_batches, reference, target)` for
@@ -610,10 +660,23 @@ def run_bench(
             spec = name = f"{recipes[0]}+runtime.seed={base_seed + k}"
         say(f"building {name} (noise band)")
         noise.append(null_run(spec, name, order_seed=k))
+    twin_of: dict[str, RecipeContender] = {}
+    for c in contenders[1:] if paired and twins and parity_steps > 0 else []:
+        recipe = twin_recipe(specs[0], c.recipe) if type(c) is RecipeContender else None
+        if recipe is None:
+            continue
+        name = f"{c.name} (twin: the reference's batches)"
+        say(f"building {name}")
+        try:
+            twin_of[c.name] = null_run(recipe, name)  # type: ignore[arg-type]
+        except Exception as err:
+            if not tolerate_failures:
+                raise
+            skipped[name] = _failure("failed to build", err)
     numerics: list[Contender] = []
     if numerics_seeds is None:  # auto: 1, where a contender shares the reference's batches (its
         # spread is ~1e-5 here, so even t(0.995, 1 df) leaves the floor in charge; one run keeps the cost)
-        numerics_seeds = 1 if any(same_batches(specs[0], r) for r in specs[1:]) else 0
+        numerics_seeds = 1 if twin_of or any(same_batches(specs[0], r) for r in specs[1:]) else 0
     if paired:
         for k in range(1, numerics_seeds + 1):
             name = f"{recipes[0]} (null: row order {k})"
@@ -626,7 +689,7 @@ def run_bench(
         except PeerUnavailable as why:
             skipped[peer] = str(why)
 
-    everyone = contenders + noise + numerics
+    everyone = contenders + noise + numerics + list(twin_of.values())
     try:
         device = getattr(contenders[0], "device", torch.device("cpu"))
         warm: dict[str, float] = {}
@@ -770,6 +833,7 @@ def run_bench(
                 if same_batches(contenders[0].recipe, c.recipe):
                     used = numerics_null  # the same batches as the reference: only numerics can differ
             vouched = False
+            twin_row: dict[str, Any] | None = None
             if used is not None:
                 verdict, gap = judge_paired(val, ref_val, used)
                 if verdict == "fail" and c.kind == "peer":
@@ -780,6 +844,14 @@ def run_bench(
                     only = batching_only(contenders[0].recipe, c.recipe)  # type: ignore[attr-defined]
                     vouched_verdict = vouch(verdict, check, only)
                     vouched, verdict = vouched_verdict != verdict, vouched_verdict
+                twin = twin_of.get(c.name)
+                if used is null and twin is not None and twin.name not in failed:
+                    say(f"validation {twin.name}")
+                    twin_row = _twin_row(twin, ref_val, numerics_null, curve_null, curve_means, contenders[0])
+                    twinned = judge_with_twin(verdict, check, twin_row)
+                    if twinned != verdict and twin_row["verdict"] == "fail":
+                        warnings.append(_twin_failure(c.name, twin_row))
+                    vouched, verdict = vouched or twinned != verdict, twinned
                 if verdict == "unjudged" and c is not contenders[0]:
                     why = "not paired (own init and data order)" if c.kind == "peer" else ""
                     warnings.append(
@@ -866,7 +938,15 @@ def run_bench(
                     parity_sampling_error=sampling_error,
                     parity_band_kind=None
                     if used is None or c is contenders[0]
-                    else ("numerics" if used is numerics_null else "order+check" if vouched else "order"),
+                    else (
+                        "numerics"
+                        if used is numerics_null
+                        else "twin+check"
+                        if vouched and twin_row is not None
+                        else "order+check"
+                        if vouched
+                        else "order"
+                    ),
                     parity_tolerance=used.threshold if used is not None else max(band, parity_floor),
                     parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
                     mfu=mfu,
@@ -877,6 +957,7 @@ def run_bench(
                     info={k: v for k, v in info.items() if k not in ("distinct_shapes", "recompiles")},
                     batching_check=check,
                     curve_check=trajectory,
+                    parity_twin=twin_row,
                 )
             )
         if too_short:

@@ -284,6 +284,9 @@ def optimize(
         size=size, rounds=rounds, round_tokens=round_tokens, memory="skip", min_dtype_speed=None,
         parity_steps=parity_steps, progress=say,
     )  # fmt: skip
+    # the stages judge on stage 0's bands: no numerics re-run of their own, and every candidate is one
+    # change on the best (never batching and numerics together), so no twin
+    stage_only = dict(noise_seeds=0, numerics_seeds=0, twins=False)
 
     say(f"stage reference: {base} and {noise_seeds} null re-runs (another order inside each window)")
     ref = run_bench(
@@ -359,8 +362,8 @@ def optimize(
             options = _refine_buckets(
                 lambda opts, best=best: run_bench(
                     workload, [_spec(base, best)] + [_spec(base, _merge(best, o)) for o in opts],
-                    tolerate_failures=True, noise_seeds=0, parity_floor=parity_floor,
-                    real_tokens_per_step_target=target, **common,
+                    tolerate_failures=True, parity_floor=parity_floor,
+                    real_tokens_per_step_target=target, **stage_only, **common,
                 ),
                 best_recipe,
                 left,
@@ -373,9 +376,9 @@ def optimize(
             workload,
             specs,
             tolerate_failures=True,
-            noise_seeds=0,
             parity_floor=parity_floor,
             real_tokens_per_step_target=target,
+            **stage_only,
             **common,
         )
         by_name = {c.name: c for c in res.contenders}
