@@ -125,7 +125,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
             "band_kind": c.get("parity_band_kind"), "tolerance": c.get("parity_tolerance"),
             "detectable_effect": c.get("parity_detectable_effect"), "steps": c["steps"],
             "real_tokens": c["real_tokens"], "batching_check": c.get("batching_check"),
-            "curve_check": c.get("curve_check"),
+            "curve_check": c.get("curve_check"), "parity_twin": c.get("parity_twin"),
         })  # fmt: skip
     return {
         "seed": seed,
@@ -151,6 +151,15 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
         },  # fmt: skip
         "contenders": rows,
     }
+
+
+def _twin_words(twin: dict | None) -> str:
+    if not twin:
+        return ""
+    curve = twin.get("curve_check") or {}
+    gap = "-" if twin["gap"] is None else f"{twin['gap']:.3%}"
+    curve_gap = f", curve gap {curve['gap']:.3%}" if curve.get("gap") is not None else ""
+    return f"; twin {twin['verdict']} (gap {gap}{curve_gap})"
 
 
 def _label(name: str, extra: str) -> str:
@@ -215,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"; curve gap {curve['gap']:.3%} of {curve['tolerance']:.3%}"
                     if curve.get("gap") is not None
                     else ""
-                ),
+                )
+                + _twin_words(c.get("parity_twin")),
                 flush=True,
             )
         if args.json:  # after every seed: an interrupted experiment keeps what it measured
