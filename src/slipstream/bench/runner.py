@@ -481,6 +481,16 @@ def _twin_failure(name: str, row: dict[str, Any]) -> str:
     return f"{name}: parity fail: its twin (the same recipe on the reference's batches) fails: {why}"
 
 
+def _band_kind(numerics: bool, vouched: bool, twinned: bool) -> str:
+    """What decided a paired verdict (`parity_band_kind`): the numerics band; the order band; or the
+    order band's unjudged verdict turned by the batching check, alone or with the twin."""
+    if numerics:
+        return "numerics"
+    if vouched:
+        return "twin+check" if twinned else "order+check"
+    return "order"
+
+
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -938,15 +948,7 @@ def run_bench(
                     parity_sampling_error=sampling_error,
                     parity_band_kind=None
                     if used is None or c is contenders[0]
-                    else (
-                        "numerics"
-                        if used is numerics_null
-                        else "twin+check"
-                        if vouched and twin_row is not None
-                        else "order+check"
-                        if vouched
-                        else "order"
-                    ),
+                    else _band_kind(used is numerics_null, vouched, twin_row is not None),
                     parity_tolerance=used.threshold if used is not None else max(band, parity_floor),
                     parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
                     mfu=mfu,
