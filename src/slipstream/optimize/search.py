@@ -407,17 +407,13 @@ def optimize(
                     )
             if used is band:  # batched differently: a change of batching alone is vouched by the check
                 # (against the stage's best, which was judged when it was kept)
-                verdict = vouch(verdict, check, batching_only(resolve_recipe(specs[0]), recipe))
+                verdict = vouch(verdict, check, batching_only(best_recipe, recipe))
             verdict = short_run(verdict, cur.steps, min_steps)
             if check.get("passed") is False:  # its data path is not the reference's computation
                 verdict = "fail"
-            trajectory = (
-                _curve_row(c, cur, curve_band) if same_batches(resolve_recipe(specs[0]), recipe) else None
-            )
-            if (
-                trajectory is not None and not trajectory["passed"]
-            ):  # it trains differently on the same batches
-                verdict = "fail"
+            trajectory = _curve_row(c, cur, curve_band) if same_batches(best_recipe, recipe) else None
+            if trajectory is not None and not trajectory["passed"]:
+                verdict = "fail"  # it trains differently on the best's batches
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
             cand.val_loss, cand.parity_gap, cand.parity = c.val_loss, gap, verdict
             cand.parity_band, cand.parity_against = used.threshold, against
