@@ -321,3 +321,22 @@ def test_a_candidate_on_the_bests_batches_whose_training_curve_differs_is_reject
     assert "5.00% off" in by["optimizer.impl=fused"].verdict
     assert by["optimizer.impl=for-loop"].verdict.startswith("kept")
     assert res.best_spec == "baseline+optimizer.impl=for-loop"
+
+
+def test_only_stage_0_re_runs_the_reference_for_the_bands(monkeypatch, machine_like):
+    """Every stage judges on stage 0's order, numerics and curve bands: a stage re-running the
+    reference (or building a twin) would be a full training run spent on nothing."""
+    machine_like(bf16=0.9, fp16=0.5)
+    seen = []
+    plain = fake_bench({"base": (100.0, 1.0, 3.0)}, [])
+
+    def run(workload, specs, **kwargs):
+        seen.append({k: kwargs.get(k) for k in ("noise_seeds", "numerics_seeds", "twins")})
+        return plain(workload, specs, **kwargs)
+
+    monkeypatch.setattr(search, "run_bench", run)
+    search.optimize("gpt-stdlib", size="tiny", budget_s=100, stages=("shapes", "precision"), noise_seeds=3)
+    assert seen[0] == {"noise_seeds": 3, "numerics_seeds": 1, "twins": None}
+    assert len(seen) == 3 and all(
+        s == {"noise_seeds": 0, "numerics_seeds": 0, "twins": False} for s in seen[1:]
+    )
