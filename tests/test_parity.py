@@ -403,3 +403,21 @@ def test_a_twin_is_the_recipe_on_the_references_batches_and_decides_only_with_a_
     assert judge_with_twin("unjudged", failed, {"verdict": "pass"}) == "unjudged"
     assert judge_with_twin("unjudged", {"skipped": "kernels"}, {"verdict": "pass"}) == "unjudged"
     assert judge_with_twin("unjudged", passed, {"verdict": "unjudged"}) == "unjudged"
+
+
+def test_a_twin_adopts_the_recipes_kept_decisions_and_is_dropped_where_it_decided_otherwise():
+    from slipstream.bench.twin import adopted_decisions, mismatch
+
+    mine = {
+        "optimizer.impl": {"choice": "fused", "reason": "timed"},
+        "compile.mode": {"choice": "off", "reason": "cpu"},
+        "precision.dtype": {"choice": "bf16", "reason": "probe"},
+        "shapes.mode": {"choice": "bucket", "reason": "timed"},
+    }
+    adopted = adopted_decisions(mine)
+    assert sorted(d.field for d in adopted) == ["compile.mode", "optimizer.impl"]
+    assert all(d.reason.startswith("adopted from the recipe it twins") for d in adopted)
+    twin = {k: v for k, v in mine.items() if k != "shapes.mode"}  # its shapes are the reference's
+    assert mismatch(mine, twin) == []
+    twin["kernels.ops"] = {"choice": "linear_cross_entropy=torch", "reason": "timed again"}
+    assert mismatch(mine, twin) == ["kernels.ops: None vs linear_cross_entropy=torch"]

@@ -14,7 +14,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -58,7 +58,7 @@ from .contenders import (
 from .memory import CudaMemory, peak_memory_in_subprocess
 from .mfu import model_flops_per_token, peak_flops_from_probe
 from .reference_batch import adopt, search_reference_batch
-from .twin import judge_with_twin, twin_recipe
+from .twin import adopted_decisions, judge_with_twin, mismatch, twin_recipe
 
 NOISY_IQR_RATIO = 0.1
 
@@ -228,18 +228,22 @@ class RecipeContender(LoopContender):
         order_seed: int = 0,
         row_seed: int = 0,
         searched_batch: Decision | None = None,
+        adopted: Sequence[Decision] = (),
     ):
         """`pairing`: the run's shared document windows and the reference's initial weights (None:
         this contender's own init and data order, the seed-band design). `order_seed` permutes the
         documents inside each window (the order null re-runs); `row_seed` permutes the rows inside
         each batch (the numerics null re-runs: the same batches, another reduction order).
         `searched_batch`: the benchmark's tokens-per-batch search on the reference (CUDA), adopted
-        instead of searching again (slipstream.bench.reference_batch)."""
+        instead of searching again (slipstream.bench.reference_batch). `adopted`: decisions its Session
+        starts with instead of making (a numerics twin takes its recipe's, slipstream.bench.twin)."""
         self.name = name or spec
         self.recipe: Recipe = resolve_recipe(spec)
         self.spec = spec
         self.session = Session(self.recipe)
         adopt(self.session, searched_batch)
+        for decision in adopted:
+            self.session.record(decision)
         self.precision = self.session.precision
         wl = get_workload(workload)
         model = wl.model(size, self.recipe.shapes.max_len)
@@ -656,7 +660,7 @@ def run_bench(
     noise: list[Contender] = []
     base_seed = specs[0].runtime.seed
 
-    def null_run(spec: str, name: str, **seeds: int) -> RecipeContender:
+    def null_run(spec: str, name: str, **seeds: Any) -> RecipeContender:
         """A re-run of the reference for a null band: another order (order_seed) or rows (row_seed)."""
         return RecipeContender(
             spec, workload, size, data, val_batches, specs[0],
@@ -671,6 +675,7 @@ def run_bench(
         say(f"building {name} (noise band)")
         noise.append(null_run(spec, name, order_seed=k))
     twin_of: dict[str, RecipeContender] = {}
+    twin_differs: dict[str, list[str]] = {}
     for c in contenders[1:] if paired and twins and parity_steps > 0 else []:
         recipe = twin_recipe(specs[0], c.recipe) if type(c) is RecipeContender else None
         if recipe is None:
@@ -678,11 +683,19 @@ def run_bench(
         name = f"{c.name} (twin: the reference's batches)"
         say(f"building {name}")
         try:
-            twin_of[c.name] = null_run(recipe, name)  # type: ignore[arg-type]
+            twin = null_run(recipe, name, adopted=adopted_decisions(c.session.decisions))  # type: ignore[arg-type]
         except Exception as err:
             if not tolerate_failures:
                 raise
             skipped[name] = _failure("failed to build", err)
+            continue
+        differs = mismatch(c.session.decisions, twin.session.decisions)
+        if differs:  # it would not compute like the recipe: no twin, and the row says why
+            twin.close()
+            twin_differs[c.name] = differs
+            say(f"no twin for {c.name}: it decided otherwise ({'; '.join(differs)})")
+            continue
+        twin_of[c.name] = twin
     numerics: list[Contender] = []
     if numerics_seeds is None:  # auto: 1, where a contender shares the reference's batches (its
         # spread is ~1e-5 here, so even t(0.995, 1 df) leaves the floor in charge; one run keeps the cost)
@@ -862,6 +875,12 @@ def run_bench(
                     if twinned != verdict and twin_row["verdict"] == "fail":
                         warnings.append(_twin_failure(c.name, twin_row))
                     vouched, verdict = vouched or twinned != verdict, twinned
+                if c.name in twin_differs and verdict == "unjudged":
+                    warnings.append(
+                        f"{c.name}: no numerics twin: one built on the reference's batches decided "
+                        f"{'; '.join(twin_differs[c.name])} (the recipe's vs its own), so it would not "
+                        "compute like the recipe; its parity rests on the order band"
+                    )
                 if verdict == "unjudged" and c is not contenders[0]:
                     why = "not paired (own init and data order)" if c.kind == "peer" else ""
                     warnings.append(
