@@ -38,16 +38,28 @@ def test_two_cli_workers_fill_20_trials_without_duplicates(postgres_url, tmp_pat
     cmd = [sys.executable, "-m", "slipstream.cli", "tune", "--objective", "branin", "--trials", str(n)]
     cmd += ["--study", "two-workers", "--storage", postgres_url, "--heartbeat", "1", "--no-plots"]
     cmd += ["--seed", "7"]  # the same line on every machine: the seeds still differ per worker
+    # Each worker imports first and then waits at a barrier: on 2 busy cores one worker's imports
+    # once lagged so far that the other had finished all 20 trials alone (CI, 2026-12-06).
+    go = tmp_path / "go"
+    barrier = (
+        "import pathlib, sys, time, optuna, slipstream.cli, slipstream.tune.cli\n"
+        "pathlib.Path(sys.argv[1]).touch()\n"
+        "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.02)\n"
+        "sys.exit(slipstream.cli.main(sys.argv[3:]))\n"
+    )
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
-            [*cmd, "--run-dir", str(tmp_path / w), "--json", str(tmp_path / f"{w}.json")],
+            [sys.executable, "-c", barrier, str(tmp_path / f"{w}.ready"), str(go), *cmd[3:]]
+            + ["--run-dir", str(tmp_path / w), "--json", str(tmp_path / f"{w}.json")],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for w in ("a", "b")
     ]
+    _wait_for(lambda: all((tmp_path / f"{w}.ready").exists() for w in "ab"), 120, "both workers imported")
+    go.touch()
     outs = [p.communicate(timeout=240)[0] for p in procs]
     elapsed = time.perf_counter() - t0
     assert [p.returncode for p in procs] == [0, 0], outs
