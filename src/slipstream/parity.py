@@ -154,6 +154,19 @@ def null_band(
     return NullBand(source, tuple(vals), sigma, sigma_diff, threshold, detectable, df, floor, resolution)
 
 
+def relative_gap(value: float, reference: float) -> float:
+    """|value - reference| / |reference|, infinite where either is not finite or the reference is 0:
+    the gap every paired check (batching, curve, twin) compares with its tolerance."""
+    if not (math.isfinite(value) and math.isfinite(reference)) or reference == 0:
+        return math.inf
+    return abs(value - reference) / abs(reference)
+
+
+def gap_words(gap: float | None) -> str:
+    """A check row's gap for a message: a percentage, or "not finite" (None or inf)."""
+    return "not finite" if gap is None or not math.isfinite(gap) else f"{gap:.2%}"
+
+
 def judge_paired(val: float, ref_val: float, band: NullBand) -> tuple[str, float]:
     """(verdict, gap) for a contender paired with the reference: "fail" when |gap| exceeds the band's
     threshold (or the loss is not finite) — a detected difference is a difference however weak the
@@ -346,8 +359,10 @@ __all__ = [
     "short_run_reason",
     "PARITY_RESOLUTION",
     "NullBand",
+    "gap_words",
     "judge_paired",
     "null_band",
+    "relative_gap",
     "unjudged_note",
     "DEFAULT_PARITY_FLOOR",
     "DEFAULT_PARITY_TOLERANCE",

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..parity import gap_words, relative_gap
 from ..recipe import Recipe
 
 BATCHING_TOLERANCE = 1e-4
@@ -38,9 +39,7 @@ class BatchingCheck:
 
     @property
     def gap(self) -> float:
-        if not (math.isfinite(self.own_path) and math.isfinite(self.reference_path)):
-            return math.inf
-        return abs(self.own_path - self.reference_path) / abs(self.reference_path)
+        return relative_gap(self.own_path, self.reference_path)
 
     @property
     def passed(self) -> bool:
@@ -70,10 +69,9 @@ def check_batching(contender, reference_state: dict, reference_batches: list) ->
 
 def failure_note(name: str, row: dict[str, Any]) -> str:
     """The warning for a failed check's row."""
-    gap = "not finite" if row["gap"] is None else f"{row['gap']:.2%}"
     return (
         f"{name}: parity fail: fed window 0's documents with the reference's final weights, its batches "
-        f"give a loss {gap} off the reference's (> {row['tolerance']:.1%}): its data path is not the "
+        f"give a loss {gap_words(row['gap'])} off the reference's (> {row['tolerance']:.1%}): its data path is not the "
         "reference's computation (a dropped document mask, shifted labels, lost positions)"
     )
 

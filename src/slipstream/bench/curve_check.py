@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..parity import NullBand
+from ..parity import NullBand, gap_words, relative_gap
 
 CURVE_SOURCE = (
     "mean training loss over the timed steps, the reference re-run with the rows of each batch permuted"
@@ -34,8 +34,7 @@ def mean_train_loss(step_losses: Sequence[float]) -> float:
 
 def check_curve(mean: float, reference_mean: float, band: NullBand) -> dict[str, Any]:
     """The check's row: both means, their relative gap, the band's threshold and `passed`."""
-    finite = math.isfinite(mean) and math.isfinite(reference_mean) and reference_mean != 0
-    gap = abs(mean - reference_mean) / abs(reference_mean) if finite else math.inf
+    gap = relative_gap(mean, reference_mean)
     return {
         "mean_train_loss": mean if math.isfinite(mean) else None,
         "reference": reference_mean if math.isfinite(reference_mean) else None,
@@ -47,9 +46,8 @@ def check_curve(mean: float, reference_mean: float, band: NullBand) -> dict[str,
 
 def failure_note(name: str, row: dict[str, Any]) -> str:
     """The warning for a failed check's row."""
-    gap = "not finite" if row["gap"] is None else f"{row['gap']:.2%}"
     return (
-        f"{name}: parity fail: on the reference's batches its training loss averages {gap} off the "
+        f"{name}: parity fail: on the reference's batches its training loss averages {gap_words(row['gap'])} off the "
         f"reference's, step for step (> {row['tolerance']:.2%}, the numerics re-runs' band): it trains "
         "differently (a learning rate, a schedule, a frozen layer), whatever its final validation loss"
     )

@@ -29,11 +29,13 @@ from ..parity import (
     PARITY_RESOLUTION,
     NullBand,
     default_parity_steps,
+    gap_words,
     judge_paired,
     judge_parity,
     min_judged_steps,
     noise_band,
     null_band,
+    relative_gap,
     short_run,
     short_run_note,
     unjudged_note,
@@ -455,7 +457,7 @@ def _twin_row(
     the curve check on its training loss (slipstream.bench.twin)."""
     val = twin.validation_loss()
     if numerics is None:
-        verdict, gap = "unjudged", abs(val - ref_val) / ref_val if ref_val else 0.0
+        verdict, gap = "unjudged", relative_gap(val, ref_val)
     else:
         verdict, gap = judge_paired(val, ref_val, numerics)
     trajectory = None
@@ -475,13 +477,12 @@ def _twin_row(
 
 def _twin_failure(name: str, row: dict[str, Any]) -> str:
     curve = row.get("curve_check") or {}
-    why = (
-        f"its training loss averages {curve['gap']:.2%} off the reference's"
-        if curve.get("passed") is False and curve.get("gap") is not None
-        else f"its validation loss is {row['gap']:.2%} off (> {row['tolerance']:.2%}, the numerics band)"
-        if row["gap"] is not None
-        else "its validation loss is not finite"
-    )
+    if curve.get("passed") is False:
+        why = f"its training loss averages {gap_words(curve['gap'])} off the reference's"
+    elif row["gap"] is None:
+        why = "its validation loss is not finite"
+    else:
+        why = f"its validation loss is {row['gap']:.2%} off (> {row['tolerance']:.2%}, the numerics band)"
     return f"{name}: parity fail: its twin (the same recipe on the reference's batches) fails: {why}"
 
 

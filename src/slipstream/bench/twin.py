@@ -33,9 +33,11 @@ def twin_recipe(reference: Recipe, recipe: Recipe) -> Recipe | None:
     """`recipe` on the reference's shapes and dataflow, or None where no twin is needed (the same
     batches already, or a change of batching alone) or none can share the reference's batches (the
     reference's shapes are `auto`, decided per session)."""
-    if reference.shapes.mode == "auto" or batching_only(reference, recipe):
-        return None
-    if recipe.shapes == reference.shapes:
+    if (
+        reference.shapes.mode == "auto"
+        or recipe.shapes == reference.shapes
+        or batching_only(reference, recipe)
+    ):
         return None
     return replace(recipe, name=f"{recipe.name} (twin)", shapes=reference.shapes, dataflow=reference.dataflow)
 

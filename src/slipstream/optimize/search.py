@@ -30,7 +30,9 @@ from ..bench.batching_check import batching_only, vouch
 from ..bench.runner import run_bench, same_batches
 from ..parity import (
     PARITY_RESOLUTION,
+    NullBand,
     default_parity_steps,
+    gap_words,
     judge_paired,
     min_judged_steps,
     null_band,
@@ -306,20 +308,18 @@ def optimize(
     ref_val = ref.contenders[0].val_loss
     vals = ref.method["parity_noise_val_losses"]
     band = null_band(vals[0], vals[1:], parity_floor, resolution=parity_resolution)
-    numerics = ref.method.get("parity_numerics_band")
-    numerics_band = band
-    if numerics:  # for candidates with the base's batches (same shapes section): only numerics differ
-        nv = numerics["val_losses"]
-        numerics_band = null_band(
-            nv[0], nv[1:], parity_floor, resolution=parity_resolution, source=numerics["source"]
-        )
-    curve = ref.method.get("parity_curve_band")
-    curve_band = None
-    if curve:  # the curve check's band: the numerics re-run's mean training loss
-        cv = curve["val_losses"]
-        curve_band = null_band(
-            cv[0], cv[1:], parity_floor, resolution=parity_resolution, source=curve["source"]
-        )
+
+    def stage_0_band(key: str) -> NullBand | None:
+        """A band stage 0 measured (`method[key]`: its values and source), for every later stage."""
+        entry = ref.method.get(key)
+        if not entry:
+            return None
+        v = entry["val_losses"]
+        return null_band(v[0], v[1:], parity_floor, resolution=parity_resolution, source=entry["source"])
+
+    # for candidates with the base's batches (same shapes section): only numerics differ
+    numerics_band = stage_0_band("parity_numerics_band") or band
+    curve_band = stage_0_band("parity_curve_band")  # the numerics re-run's mean training loss
     detectable = band.detectable if band.detectable != float("inf") else None
     per_contender_s = ref.wall_s / (1 + noise_seeds)
     say(
@@ -424,10 +424,9 @@ def optimize(
                     f"batches give a loss {check['gap'] or float('inf'):.2%} off (> {check['tolerance']:.2%})"
                 )
             elif trajectory is not None and not trajectory["passed"]:
-                gap_words = "not finite" if trajectory["gap"] is None else f"{trajectory['gap']:.2%}"
                 cand.verdict = (
-                    f"rejected: curve check: on the best's batches its training loss averages {gap_words} "
-                    f"off the best's (> {trajectory['tolerance']:.2%})"
+                    f"rejected: curve check: on the best's batches its training loss averages "
+                    f"{gap_words(trajectory['gap'])} off the best's (> {trajectory['tolerance']:.2%})"
                 )
             elif verdict == "fail":
                 vs = f" (vs `{against}`, numerics band)" if against else ""
