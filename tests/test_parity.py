@@ -405,19 +405,53 @@ def test_a_twin_is_the_recipe_on_the_references_batches_and_decides_only_with_a_
     assert judge_with_twin("unjudged", passed, {"verdict": "unjudged"}) == "unjudged"
 
 
-def test_a_twin_adopts_the_recipes_kept_decisions_and_is_dropped_where_it_decided_otherwise():
+def test_a_twin_adopts_the_recipes_decisions_but_batching_and_is_dropped_where_it_decided_otherwise():
     from slipstream.bench.twin import adopted_decisions, mismatch
 
     mine = {
         "optimizer.impl": {"choice": "fused", "reason": "timed"},
         "compile.mode": {"choice": "off", "reason": "cpu"},
         "precision.dtype": {"choice": "bf16", "reason": "probe"},
+        "kernels.ops": {"choice": "linear_cross_entropy=torch", "reason": "timed"},
         "shapes.mode": {"choice": "bucket", "reason": "timed"},
+        "dataflow.workers": {"choice": "2", "reason": "timed"},
     }
     adopted = adopted_decisions(mine)
-    assert sorted(d.field for d in adopted) == ["compile.mode", "optimizer.impl"]
-    assert all(d.reason.startswith("adopted from the recipe it twins") for d in adopted)
+    assert sorted(adopted) == ["compile.mode", "kernels.ops", "optimizer.impl", "precision.dtype"]
+    assert adopted["kernels.ops"]["choice"] == "linear_cross_entropy=torch"
+    assert all(d["reason"].startswith("adopted from the recipe it twins") for d in adopted.values())
     twin = {k: v for k, v in mine.items() if k != "shapes.mode"}  # its shapes are the reference's
     assert mismatch(mine, twin) == []
-    twin["kernels.ops"] = {"choice": "linear_cross_entropy=torch", "reason": "timed again"}
-    assert mismatch(mine, twin) == ["kernels.ops: None vs linear_cross_entropy=torch"]
+    twin["kernels.ops"] = {"choice": "none", "reason": "timed again"}
+    assert mismatch(mine, twin) == ["kernels.ops: linear_cross_entropy=torch vs none"]
+
+
+def test_a_twins_session_computes_with_the_recipes_decisions_not_its_own():
+    """What a twin adopts is what its Session runs: the recipe's dtype and kernels, even where the
+    twin's own probe and timing would have chosen otherwise."""
+    from slipstream.bench.runner import RecipeContender
+    from slipstream.bench.twin import adopted_decisions
+    from slipstream.presets import resolve_recipe
+    from slipstream.session import Session
+    from slipstream.workloads import get_workload
+
+    spec = "baseline+precision.dtype=auto+kernels.ops=auto" + SMALL
+    own = Session(spec)
+    other = "fp32" if own.precision != "fp32" else "bf16"
+    own.close()
+    recipe_decisions = {
+        "precision.dtype": {"choice": other, "reason": "the recipe's probe"},
+        "kernels.ops": {"choice": "linear_cross_entropy=torch", "reason": "timed at the recipe's shapes"},
+        "shapes.mode": {"choice": "bucket", "reason": "timed"},
+    }
+    data = get_workload("gpt-stdlib").load_data()
+    twin = RecipeContender(
+        spec, "gpt-stdlib", "tiny", data, 1, resolve_recipe("baseline" + SMALL),
+        adopted=adopted_decisions(recipe_decisions),
+    )  # fmt: skip
+    try:
+        assert twin.session.precision == other
+        assert twin.session.decisions["kernels.ops"]["choice"] == "linear_cross_entropy=torch"
+        assert "shapes.mode" not in twin.session.decisions  # it batches the reference's way
+    finally:
+        twin.close()

@@ -14,7 +14,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -230,7 +230,7 @@ class RecipeContender(LoopContender):
         order_seed: int = 0,
         row_seed: int = 0,
         searched_batch: Decision | None = None,
-        adopted: Sequence[Decision] = (),
+        adopted: dict[str, dict[str, str]] | None = None,
     ):
         """`pairing`: the run's shared document windows and the reference's initial weights (None:
         this contender's own init and data order, the seed-band design). `order_seed` permutes the
@@ -238,14 +238,13 @@ class RecipeContender(LoopContender):
         each batch (the numerics null re-runs: the same batches, another reduction order).
         `searched_batch`: the benchmark's tokens-per-batch search on the reference (CUDA), adopted
         instead of searching again (slipstream.bench.reference_batch). `adopted`: decisions its Session
-        starts with instead of making (a numerics twin takes its recipe's, slipstream.bench.twin)."""
+        starts with instead of making (Session's `decisions=`: a numerics twin takes its recipe's,
+        slipstream.bench.twin)."""
         self.name = name or spec
         self.recipe: Recipe = resolve_recipe(spec)
         self.spec = spec
-        self.session = Session(self.recipe)
+        self.session = Session(self.recipe, decisions=adopted)
         adopt(self.session, searched_batch)
-        for decision in adopted:
-            self.session.record(decision)
         self.precision = self.session.precision
         wl = get_workload(workload)
         model = wl.model(size, self.recipe.shapes.max_len)
@@ -758,6 +757,7 @@ def run_bench(
         # planted fault shows in the loss by then); they are timed like the first ones
         while rounds_run < rounds or ref_trained < parity_steps:
             ref_steps: int | None = None
+            planned = max(planned, rounds_run + 1)  # rounds of fewer steps than the first add one
             for c in everyone:  # interleaved: A B C A B C ...
                 if c.name in failed:
                     continue

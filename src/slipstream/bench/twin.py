@@ -20,13 +20,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..decisions import Decision
 from ..recipe import Recipe
 from .batching_check import batching_only
 
-ADOPTED = ("compile.mode", "optimizer.impl")
-"""The recipe's `auto` decisions its twin starts with: a Session keeps these when they are recorded
-before it decides (the others, dtype from the cached probe and kernels timed per op, it makes again)."""
+OWN = ("shapes.", "dataflow.")
+"""Decision fields a twin makes for itself: it batches and delivers the reference's way."""
 
 
 def twin_recipe(reference: Recipe, recipe: Recipe) -> Recipe | None:
@@ -42,22 +40,26 @@ def twin_recipe(reference: Recipe, recipe: Recipe) -> Recipe | None:
     return replace(recipe, name=f"{recipe.name} (twin)", shapes=reference.shapes, dataflow=reference.dataflow)
 
 
-def adopted_decisions(decisions: dict[str, dict[str, str]]) -> list[Decision]:
-    """The recipe's decisions (`Session.decisions`) its twin adopts instead of deciding again."""
-    return [
-        Decision(field, d["choice"], f"adopted from the recipe it twins: {d['reason']}")
+def adopted_decisions(decisions: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """The recipe's decisions (`Session.decisions`) its twin's Session starts with (its `decisions=`,
+    as a resumed run's) instead of deciding again: every one but batching and delivery. A kernel timed
+    at the twin's shapes could win by another candidate, and the twin would not compute like the
+    recipe; adopted, precision, kernels, compile and optimizer are the recipe's by construction."""
+    return {
+        field: {"choice": d["choice"], "reason": f"adopted from the recipe it twins: {d['reason']}"}
         for field, d in decisions.items()
-        if field in ADOPTED
-    ]
+        if not field.startswith(OWN)
+    }
 
 
 def mismatch(decisions: dict[str, dict[str, str]], twin_decisions: dict[str, dict[str, str]]) -> list[str]:
     """`field: recipe's choice vs twin's` for each decision outside shapes and dataflow that the twin
-    made otherwise (a kernel timed again and won by another candidate). Such a twin does not compute
-    like the recipe, so it cannot judge the recipe's numerics."""
+    made otherwise (one its Session decides again despite `adopted_decisions`, or decides only for
+    the twin). Such a twin does not compute like the recipe, so it cannot judge the recipe's
+    numerics."""
     out = []
     for field in sorted(set(decisions) | set(twin_decisions)):
-        if field.startswith(("shapes.", "dataflow.")):
+        if field.startswith(OWN):
             continue
         mine, theirs = decisions.get(field, {}).get("choice"), twin_decisions.get(field, {}).get("choice")
         if mine != theirs:
@@ -78,4 +80,4 @@ def judge_with_twin(verdict: str, check: dict[str, Any] | None, twin: dict[str, 
     return verdict
 
 
-__all__ = ["ADOPTED", "adopted_decisions", "judge_with_twin", "mismatch", "twin_recipe"]
+__all__ = ["OWN", "adopted_decisions", "judge_with_twin", "mismatch", "twin_recipe"]
