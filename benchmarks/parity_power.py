@@ -114,7 +114,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
     res = run_bench(
         wl, recipes, size=size, rounds=args.rounds, memory="skip", noise_seeds=args.noise_seeds,
         min_dtype_speed=None, custom=custom, paired=not args.unpaired, window_tokens=args.window_tokens,
-        parity_steps=args.parity_steps,
+        parity_steps=args.parity_steps, precision_seeds=args.precision_seeds,
         progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None,
     ).to_dict()  # fmt: skip
     m = res["method"]
@@ -147,6 +147,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
                 "parity_null_sigma",
                 "parity_noise_val_losses",
                 "parity_curve_band",
+                "parity_precision_bands",
                 "parity_window_tokens",
                 "val_real_tokens",
                 "real_tokens_per_step",
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--noise-seeds", type=int, default=2)
+    ap.add_argument(
+        "--precision-seeds", type=int, default=None, help="bench's --precision-seeds (default 2 where needed)"
+    )
     ap.add_argument("--parity-steps", type=int, default=None, help="bench's --parity-steps (default 100)")
     ap.add_argument("--unpaired", action="store_true", help="the seed-band design, for comparison")
     ap.add_argument("--set", default="", help="extra +section.field=value overrides for every recipe")

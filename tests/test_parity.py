@@ -378,6 +378,7 @@ def test_a_recipe_changing_batching_and_numerics_is_judged_by_its_twin_and_its_b
     twin = rows[both]["parity_twin"]
     assert twin["name"] == both + " (twin: the reference's batches)" and twin["verdict"] == "pass"
     assert twin["curve_check"]["passed"] and twin["gap"] <= twin["tolerance"]
+    assert twin["band"] == "precision"  # it computes in bf16: judged on the reference re-run in bf16
     assert rows[both]["parity"] == "pass" and rows[both]["parity_band_kind"] == "twin+check"
     assert rows[both]["batching_check"]["passed"]
     assert rows[faster]["parity_twin"]["verdict"] == "fail" and rows[faster]["parity"] == "fail"
@@ -455,3 +456,44 @@ def test_a_twins_session_computes_with_the_recipes_decisions_not_its_own():
         assert "shapes.mode" not in twin.session.decisions  # it batches the reference's way
     finally:
         twin.close()
+
+
+def test_a_contender_in_another_precision_is_judged_on_that_precisions_band():
+    """bf16 on the reference's batches: judged on re-runs of the reference in bf16 (its own
+    arithmetic's spread), while foreach AdamW in fp32 keeps the fp32 numerics band; with
+    precision_seeds=0 both are judged on the numerics band, as before."""
+    from slipstream.bench import run_bench
+
+    ref, bf16, foreach = "baseline" + SMALL, "bf16" + SMALL, "baseline+optimizer.impl=foreach" + SMALL
+    kw = dict(size="tiny", rounds=1, round_tokens=600, warmup_steps=1, val_batches=1, memory="skip",
+              noise_seeds=0, parity_steps=6, min_dtype_speed=None)  # fmt: skip
+    res = run_bench("gpt-stdlib", [ref, bf16, foreach], **kw).to_dict()
+    m, rows = res["method"], {c["name"]: c for c in res["contenders"]}
+    own = m["parity_precision_bands"]["bf16"]
+    assert own["validation"]["df"] == 2 and "in bf16" in own["validation"]["source"]
+    assert own["curve"]["df"] == 2 and "in bf16" in own["curve"]["source"]
+    assert m["parity_numerics_band"]["df"] == 1  # foreach computes in fp32: the reference's band
+    assert rows[bf16]["parity_band_kind"] == "precision"
+    assert rows[bf16]["parity_tolerance"] == own["validation"]["threshold"]
+    assert rows[bf16]["curve_check"]["tolerance"] == own["curve"]["threshold"]
+    assert rows[foreach]["parity_band_kind"] == "numerics"
+    assert rows[foreach]["parity_tolerance"] == m["parity_numerics_band"]["threshold"]
+    res = run_bench("gpt-stdlib", [ref, bf16], precision_seeds=0, **kw).to_dict()
+    assert res["method"]["parity_precision_bands"] == {}
+    assert res["contenders"][1]["parity_band_kind"] == "numerics"
+
+
+def test_the_precision_band_needs_only_the_precisions_the_reference_does_not_compute_in():
+    from slipstream.bench.precision_band import null_recipe, precisions_to_null, unjudged_note
+    from slipstream.parity import null_band
+    from slipstream.presets import resolve_recipe
+
+    assert precisions_to_null("fp32", ["bf16", "fp32", "bf16", "fp16"]) == ["bf16", "fp16"]
+    assert precisions_to_null("bf16", ["bf16"]) == []
+    base = resolve_recipe("baseline+shapes.mode=bucket")
+    twin = null_recipe(base, "bf16")
+    assert twin.precision.dtype == "bf16" and twin.shapes == base.shapes and twin.optimizer == base.optimizer
+    wide = null_band(2.70, [2.65, 2.69])  # bf16 on GPT small, seed 1: its own arithmetic moves ~1%
+    assert not wide.judged
+    note = unjudged_note("bf16", "bf16", wide)
+    assert "re-run in bf16 moved the loss by itself" in note and "--precision-seeds" in note

@@ -182,6 +182,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             memory="skip" if args.no_memory else "auto",
             parity_floor=args.parity_floor,
             noise_seeds=args.noise_seeds,
+            precision_seeds=args.precision_seeds,
             paired=not args.unpaired,
             parity_steps=args.parity_steps,
             match_steps=not args.no_match_steps,
@@ -215,6 +216,10 @@ def _check_bench_args(args: argparse.Namespace, recipes: list[str]) -> None:
             (
                 args.parity_steps is None or args.parity_steps >= 0,
                 f"--parity-steps {args.parity_steps} must be >= 0 (0: time --rounds only)",
+            ),
+            (
+                args.precision_seeds is None or args.precision_seeds >= 0,
+                f"--precision-seeds {args.precision_seeds} must be >= 0 (0: judge on the numerics band)",
             ),
             (
                 args.round_tokens is None or args.round_tokens >= 1,
@@ -399,6 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="null re-runs of the reference (paired: another document order inside each window, same "
         "init; --unpaired: other seeds); their spread is the parity band (default: 2)",
+    )
+    p.add_argument(
+        "--precision-seeds",
+        type=int,
+        help="re-runs of the reference in each other precision a recipe on its batches computes in "
+        "(bf16, fp16), with the rows permuted: that recipe's parity band (default: 2 where needed; "
+        "0 judges it on the reference's own numerics band, docs/bench.md)",
     )
     p.add_argument(
         "--unpaired",

@@ -46,7 +46,7 @@ from ..runtime import resolve_device
 from ..session import Session
 from ..shapes.loader import Batch, ShapedLoader
 from ..workloads import get_workload
-from . import curve_check
+from . import curve_check, precision_band
 from .batching_check import batching_only, check_batching, failure_note, vouch
 from .contenders import (
     Contender,
@@ -449,11 +449,12 @@ def _twin_row(
     ref_val: float,
     numerics: NullBand | None,
     curve: NullBand | None,
+    kind: str,
     curve_means: dict[str, float],
     reference: Contender,
 ) -> dict[str, Any]:
-    """The twin's own verdict against the reference: the numerics band on its validation loss, then
-    the curve check on its training loss (slipstream.bench.twin)."""
+    """The twin's own verdict against the reference: the numerics band (or its precision's band,
+    `kind`) on its validation loss, then the curve check on its training loss (slipstream.bench.twin)."""
     val = twin.validation_loss()
     if numerics is None:
         verdict, gap = "unjudged", relative_gap(val, ref_val)
@@ -469,6 +470,7 @@ def _twin_row(
         "val_loss": val,
         "gap": gap if math.isfinite(gap) else None,
         "tolerance": numerics.threshold if numerics is not None else None,
+        "band": kind,
         "verdict": verdict,
         "curve_check": trajectory,
     }
@@ -481,15 +483,18 @@ def _twin_failure(name: str, row: dict[str, Any]) -> str:
     elif row["gap"] is None:
         why = "its validation loss is not finite"
     else:
-        why = f"its validation loss is {row['gap']:.2%} off (> {row['tolerance']:.2%}, the numerics band)"
+        why = (
+            f"its validation loss is {row['gap']:.2%} off (> {row['tolerance']:.2%}, the {row['band']} band)"
+        )
     return f"{name}: parity fail: its twin (the same recipe on the reference's batches) fails: {why}"
 
 
-def _band_kind(numerics: bool, vouched: bool, twinned: bool) -> str:
-    """What decided a paired verdict (`parity_band_kind`): the numerics band; the order band; or the
-    order band's unjudged verdict turned by the batching check, alone or with the twin."""
-    if numerics:
-        return "numerics"
+def _band_kind(same_batch: str | None, vouched: bool, twinned: bool) -> str:
+    """What decided a paired verdict (`parity_band_kind`): the numerics or precision band
+    (`same_batch`); the order band; or the order band's unjudged verdict turned by the batching check,
+    alone or with the twin."""
+    if same_batch:
+        return same_batch
     if vouched:
         return "twin+check" if twinned else "order+check"
     return "order"
@@ -543,6 +548,7 @@ def run_bench(
     parity_floor: float = 0.002,
     noise_seeds: int = 2,
     numerics_seeds: int | None = None,
+    precision_seeds: int | None = None,
     paired: bool = True,
     window_tokens: int | None = None,
     parity_resolution: float = PARITY_RESOLUTION,
@@ -573,7 +579,10 @@ def run_bench(
     (`noise_band`). `numerics_seeds` more re-runs (default: 1 where some recipe has the reference's
     shapes section, else none) keep the reference's batches and permute the rows inside each one:
     their spread is the numerics band, which judges contenders whose batches are the reference's
-    (`same_batches`: only numerics, optimizer or model can differ). Peers keep their own init and data order: they pass within the band, and are
+    (`same_batches`: only numerics, optimizer or model can differ). A same-batch contender (or twin)
+    computing in another precision than the reference is judged instead on that precision's band:
+    `precision_seeds` re-runs of the reference in that precision with the rows permuted (default 2
+    where one is needed; 0 judges it on the numerics band; slipstream.bench.precision_band). Peers keep their own init and data order: they pass within the band, and are
     "unjudged" (not "fail") outside it unless the gap exceeds the seed-band rule. A recipe that
     forces a dtype the probe measured below `min_dtype_speed` x fp32 is skipped with the figures
     (None runs every dtype). With `twins` (paired, `parity_steps` > 0) a recipe that changes batching
@@ -660,7 +669,7 @@ def run_bench(
     noise: list[Contender] = []
     base_seed = specs[0].runtime.seed
 
-    def null_run(spec: str, name: str, **seeds: Any) -> RecipeContender:
+    def null_run(spec: str | Recipe, name: str, **seeds: Any) -> RecipeContender:
         """A re-run of the reference for a null band: another order (order_seed) or rows (row_seed)."""
         return RecipeContender(
             spec, workload, size, data, val_batches, specs[0],
@@ -697,14 +706,35 @@ def run_bench(
             continue
         twin_of[c.name] = twin
     numerics: list[Contender] = []
+    # the precision each same-batch contender and twin computes in: its null is a re-run in it
+    judged = [
+        c.precision
+        for c in [*contenders[1:], *twin_of.values()]
+        if isinstance(c, RecipeContender) and same_batches(specs[0], c.recipe)
+    ]
+    ref_precision = contenders[0].precision
+    own_precisions = precision_band.precisions_to_null(ref_precision, judged) if paired else []
+    if precision_seeds is None:
+        precision_seeds = precision_band.DEFAULT_PRECISION_SEEDS if own_precisions else 0
+    if precision_seeds < 0:
+        raise RecipeError(f"precision_seeds={precision_seeds} must be >= 0")
+    if precision_seeds == 0:
+        own_precisions = []
     if numerics_seeds is None:  # auto: 1, where a contender shares the reference's batches (its
-        # spread is ~1e-5 here, so even t(0.995, 1 df) leaves the floor in charge; one run keeps the cost)
-        numerics_seeds = 1 if twin_of or any(same_batches(specs[0], r) for r in specs[1:]) else 0
+        # spread is ~1e-7 in fp32, so even t(0.995, 1 df) leaves the floor in charge; one run keeps the cost)
+        numerics_seeds = 1 if any(p not in own_precisions for p in judged) else 0
     if paired:
         for k in range(1, numerics_seeds + 1):
             name = f"{recipes[0]} (null: row order {k})"
             say(f"building {name} (numerics band)")
             numerics.append(null_run(recipes[0], name, row_seed=k))
+    precision_nulls: dict[str, list[RecipeContender]] = {}
+    for p in own_precisions:
+        for k in range(1, precision_seeds + 1):
+            name = f"{recipes[0]} (null: {p}, row order {k})"
+            say(f"building {name} (precision band)")
+            recipe = precision_band.null_recipe(specs[0], p)
+            precision_nulls.setdefault(p, []).append(null_run(recipe, name, row_seed=k))
     for peer in peers or []:
         try:
             say(f"building peer {peer}")
@@ -712,7 +742,10 @@ def run_bench(
         except PeerUnavailable as why:
             skipped[peer] = str(why)
 
-    everyone = contenders + noise + numerics + list(twin_of.values())
+    everyone = [
+        *contenders, *noise, *numerics, *(c for runs in precision_nulls.values() for c in runs),
+        *twin_of.values(),
+    ]  # fmt: skip
     try:
         device = getattr(contenders[0], "device", torch.device("cpu"))
         warm: dict[str, float] = {}
@@ -802,8 +835,22 @@ def run_bench(
             if c.name not in failed:
                 say(f"validation {c.name}")
                 numerics_losses.append(c.validation_loss())
+        precision_losses = {
+            p: [n.validation_loss() for n in runs if n.name not in failed]
+            for p, runs in precision_nulls.items()
+        }
         numerics_null: NullBand | None = None
         curve_null: NullBand | None = None
+        own_bands: dict[str, tuple[NullBand, NullBand]] = {}
+        """precision -> its precision band and curve band (slipstream.bench.precision_band)."""
+
+        def bands_for(precision: str) -> tuple[NullBand | None, NullBand | None, str]:
+            """The bands that judge a same-batch contender (or twin) computing in `precision`, and
+            their kind: "precision" (its own re-runs) or "numerics" (the reference's)."""
+            if precision in own_bands:
+                return (*own_bands[precision], "precision")
+            return numerics_null, curve_null, "numerics"
+
         curve_means = {
             c.name: curve_check.mean_train_loss([x for st in per_round[c.name] for x in st.losses])
             for c in everyone
@@ -851,11 +898,25 @@ def run_bench(
                             curve_means[c.name], [curve_means[n.name] for n in numerics if n.name in curve_means],
                             parity_floor, resolution=parity_resolution, source=curve_check.CURVE_SOURCE,
                         )  # fmt: skip
+                    for p, runs in precision_nulls.items():
+                        source = precision_band.precision_source(p)
+                        own_bands[p] = (
+                            null_band(val, precision_losses[p], parity_floor, resolution=parity_resolution,
+                                      source=source),
+                            null_band(curve_means[c.name], [curve_means[n.name] for n in runs if n.name in curve_means],
+                                      parity_floor, resolution=parity_resolution,
+                                      source=f"mean training loss over the timed steps, {source}"),
+                        )  # fmt: skip
             sampling_error = _paired_sampling_error(sums, ref_sums) if paired else None
             used: NullBand | None = null
-            if numerics_null is not None and isinstance(c, RecipeContender) and c is not contenders[0]:
+            numerics_band: NullBand | None = None
+            curve_band: NullBand | None = None
+            same_batch_kind: str | None = None
+            if isinstance(c, RecipeContender) and c is not contenders[0]:
                 if same_batches(contenders[0].recipe, c.recipe):
-                    used = numerics_null  # the same batches as the reference: only numerics can differ
+                    # the same batches as the reference: only numerics can differ
+                    numerics_band, curve_band, same_batch_kind = bands_for(c.precision)
+                    used = numerics_band or null
             vouched = False
             twin_row: dict[str, Any] | None = None
             if used is not None:
@@ -871,7 +932,9 @@ def run_bench(
                 twin = twin_of.get(c.name)
                 if used is null and twin is not None and twin.name not in failed:
                     say(f"validation {twin.name}")
-                    twin_row = _twin_row(twin, ref_val, numerics_null, curve_null, curve_means, contenders[0])
+                    twin_row = _twin_row(
+                        twin, ref_val, *bands_for(twin.precision), curve_means, contenders[0]
+                    )
                     twinned = judge_with_twin(verdict, check, twin_row)
                     if twinned != verdict and twin_row["verdict"] == "fail":
                         warnings.append(_twin_failure(c.name, twin_row))
@@ -883,19 +946,21 @@ def run_bench(
                         "compute like the recipe; its parity rests on the order band"
                     )
                 if verdict == "unjudged" and c is not contenders[0]:
-                    why = "not paired (own init and data order)" if c.kind == "peer" else ""
-                    warnings.append(
-                        why and f"{c.name}: parity unjudged: {why}" or unjudged_note(c.name, used)
-                    )
+                    if c.kind == "peer":
+                        warnings.append(f"{c.name}: parity unjudged: not paired (own init and data order)")
+                    elif same_batch_kind == "precision" and used is numerics_band:
+                        warnings.append(precision_band.unjudged_note(c.name, c.precision, used))
+                    else:
+                        warnings.append(unjudged_note(c.name, used))
             else:
                 verdict, gap, _ = judge_parity(val, ref_val, band, parity_floor)
             if check is not None and check.get("passed") is False:
                 verdict = "fail"
                 warnings.append(failure_note(c.name, check))
             trajectory: dict[str, Any] | None = None
-            if used is numerics_null and curve_null is not None and c is not contenders[0]:
+            if numerics_band is not None and used is numerics_band and curve_band is not None:
                 trajectory = curve_check.check_curve(
-                    curve_means[c.name], curve_means[contenders[0].name], curve_null
+                    curve_means[c.name], curve_means[contenders[0].name], curve_band
                 )
                 if not trajectory["passed"]:
                     verdict = "fail"
@@ -968,7 +1033,11 @@ def run_bench(
                     parity_sampling_error=sampling_error,
                     parity_band_kind=None
                     if used is None or c is contenders[0]
-                    else _band_kind(used is numerics_null, vouched, twin_row is not None),
+                    else _band_kind(
+                        same_batch_kind if numerics_band is not None and used is numerics_band else None,
+                        vouched,
+                        twin_row is not None,
+                    ),
                     parity_tolerance=used.threshold if used is not None else max(band, parity_floor),
                     parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
                     mfu=mfu,
@@ -1015,6 +1084,9 @@ def run_bench(
                 "val_real_tokens": sum(ref_sums[1]) if ref_sums else None,
                 "parity_numerics_band": numerics_null.to_dict() if numerics_null else None,
                 "parity_curve_band": curve_null.to_dict() if curve_null else None,
+                "parity_precision_bands": {
+                    p: {"validation": v.to_dict(), "curve": cu.to_dict()} for p, (v, cu) in own_bands.items()
+                },
                 "real_tokens_per_step": target,
                 "batch_search": searched.to_dict() if searched else None,
                 "order": "interleaved A B C per round; medians over rounds",
