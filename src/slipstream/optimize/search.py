@@ -287,7 +287,8 @@ def optimize(
         parity_steps=parity_steps, progress=say,
     )  # fmt: skip
     # the stages judge on stage 0's bands: no numerics re-run of their own, and every candidate is one
-    # change on the best (never batching and numerics together), so no twin
+    # change on the best (never batching and numerics together), so no twin. A candidate computing in
+    # another precision than the best brings that precision's re-runs (run_bench's precision_seeds)
     stage_only = dict(noise_seeds=0, numerics_seeds=0, twins=False)
 
     say(f"stage reference: {base} and {noise_seeds} null re-runs (another order inside each window)")
@@ -309,17 +310,16 @@ def optimize(
     vals = ref.method["parity_noise_val_losses"]
     band = null_band(vals[0], vals[1:], parity_floor, resolution=parity_resolution)
 
-    def stage_0_band(key: str) -> NullBand | None:
-        """A band stage 0 measured (`method[key]`: its values and source), for every later stage."""
-        entry = ref.method.get(key)
+    def band_from(entry: dict | None) -> NullBand | None:
+        """A band a run measured (a `method` entry: its values and source), judged with our floor."""
         if not entry:
             return None
         v = entry["val_losses"]
         return null_band(v[0], v[1:], parity_floor, resolution=parity_resolution, source=entry["source"])
 
     # for candidates with the base's batches (same shapes section): only numerics differ
-    numerics_band = stage_0_band("parity_numerics_band") or band
-    curve_band = stage_0_band("parity_curve_band")  # the numerics re-run's mean training loss
+    numerics_band = band_from(ref.method.get("parity_numerics_band")) or band
+    curve_band = band_from(ref.method.get("parity_curve_band"))  # the numerics re-run's mean training loss
     detectable = band.detectable if band.detectable != float("inf") else None
     per_contender_s = ref.wall_s / (1 + noise_seeds)
     say(
@@ -329,6 +329,8 @@ def optimize(
     )
 
     best: list[str] = []
+    own_bands: dict[str, dict] = {}
+    """precision -> its band entry (`method.parity_precision_bands`), from the first stage that ran it."""
     anchor = _Anchor(base, reference, ref_val)
     best_tps = ref.contenders[0].real_tokens_per_s
     speedup = 1.0
@@ -382,6 +384,11 @@ def optimize(
             **common,
         )
         by_name = {c.name: c for c in res.contenders}
+        # a candidate computing in another precision than the reference: judged on that precision's
+        # band, measured by the stage that first tried it (re-runs of the best in it,
+        # slipstream.bench.precision_band) and kept for every later stage in it
+        for p, entry in (res.method.get("parity_precision_bands") or {}).items():
+            own_bands.setdefault(p, entry)
         cur = by_name[specs[0]]
         cur_noise = cur.real_tokens_per_s_iqr / cur.real_tokens_per_s if cur.real_tokens_per_s else 1.0
         winner: tuple[float, list[str], Any] | None = None
@@ -395,13 +402,22 @@ def optimize(
             ratio = c.real_tokens_per_s / cur.real_tokens_per_s
             noise = max(cur_noise, c.real_tokens_per_s_iqr / c.real_tokens_per_s, MIN_GAIN)
             recipe = resolve_recipe(spec)
-            used = numerics_band if same_batches(reference, recipe) else band
+            precision = getattr(c, "precision", None)
+            own = (
+                own_bands.get(precision)
+                if precision != getattr(ref.contenders[0], "precision", None)
+                else None
+            )
+            same_batch_band = band_from(own["validation"]) if own else numerics_band
+            same_batch_curve = band_from(own["curve"]) if own else curve_band
+            band_name = "precision" if own else "numerics"
+            used = same_batch_band if same_batches(reference, recipe) else band
             verdict, gap = judge_paired(c.val_loss, ref_val, used)
             against: str | None = None
             check = getattr(c, "batching_check", None) or {}
             if used is band and verdict != "fail" and anchor.recipe is not reference:
                 if same_batches(anchor.recipe, recipe):  # numerics on a kept change of batching
-                    used, against = numerics_band, anchor.spec
+                    used, against = same_batch_band, anchor.spec
                     verdict, gap = judge_paired(
                         anchor.seen_from(c.val_loss, cur.val_loss), anchor.val_loss, used
                     )
@@ -411,7 +427,7 @@ def optimize(
             verdict = short_run(verdict, cur.steps, min_steps)
             if check.get("passed") is False:  # its data path is not the reference's computation
                 verdict = "fail"
-            trajectory = _curve_row(c, cur, curve_band) if same_batches(best_recipe, recipe) else None
+            trajectory = _curve_row(c, cur, same_batch_curve) if same_batches(best_recipe, recipe) else None
             if trajectory is not None and not trajectory["passed"]:
                 verdict = "fail"  # it trains differently on the best's batches
             cand.real_tokens_per_s, cand.speed_vs_best, cand.noise = c.real_tokens_per_s, ratio, noise
@@ -429,7 +445,7 @@ def optimize(
                     f"{gap_words(trajectory['gap'])} off the best's (> {trajectory['tolerance']:.2%})"
                 )
             elif verdict == "fail":
-                vs = f" (vs `{against}`, numerics band)" if against else ""
+                vs = f" (vs `{against}`, {band_name} band)" if against else ""
                 cand.verdict = f"rejected: parity gap {gap:.2%} > {used.threshold:.2%}{vs}"
             elif verdict == "unjudged" and cur.steps < min_steps:
                 cand.verdict = "rejected: " + short_run_reason(cur.steps, min_steps)
