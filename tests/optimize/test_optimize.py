@@ -342,7 +342,9 @@ def test_only_stage_0_re_runs_the_reference_for_the_bands(monkeypatch, machine_l
     )
 
 
-def test_a_change_of_precision_is_judged_on_that_precisions_band_in_every_later_stage(monkeypatch, machine_like):
+def test_a_change_of_precision_is_judged_on_that_precisions_band_in_every_later_stage(
+    monkeypatch, machine_like
+):
     """bf16 lands 0.4% from the fp32 reference: beyond the fp32 numerics band (0.2%), within what
     the reference re-run in bf16 moves by itself (its band, 0.59%, measured by the precision stage's
     run). It is kept; the fused optimizer on top of it is judged on the same bf16 band, though the
@@ -376,7 +378,9 @@ def test_a_change_of_precision_is_judged_on_that_precisions_band_in_every_later_
     bf16, fused = by["precision.dtype=bf16"], by["optimizer.impl=fused"]
     assert bf16.parity == "pass" and bf16.verdict.startswith("kept")
     assert 0.0058 < bf16.parity_band < 0.0060  # t(0.995, 2) x the bf16 re-runs' spread, not the 0.2% floor
-    assert fused.parity == "pass" and fused.parity_band == bf16.parity_band and fused.verdict.startswith("kept")
+    assert (
+        fused.parity == "pass" and fused.parity_band == bf16.parity_band and fused.verdict.startswith("kept")
+    )
     assert res.best_spec == "baseline+precision.dtype=bf16+optimizer.impl=fused"
 
     res, by = optimize(figures, [3.0, 3.03, 2.97])  # bf16's own arithmetic moves the loss ~1%
