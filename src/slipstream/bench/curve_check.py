@@ -22,9 +22,12 @@ from typing import Any
 
 from ..parity import NullBand, gap_words, relative_gap
 
-CURVE_SOURCE = (
-    "mean training loss over the timed steps, the reference re-run with the rows of each batch permuted"
-)
+def curve_source(null_source: str) -> str:
+    """The curve band's source, from the source of the re-runs it is measured over."""
+    return f"mean training loss over the timed steps, {null_source}"
+
+
+CURVE_SOURCE = curve_source("the reference re-run with the rows of each batch permuted")
 
 
 def mean_train_loss(step_losses: Sequence[float]) -> float:
@@ -53,4 +56,5 @@ def failure_note(name: str, row: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["CURVE_SOURCE", "check_curve", "failure_note", "mean_train_loss"]
+__all__ = [
+    "curve_source","CURVE_SOURCE", "check_curve", "failure_note", "mean_train_loss"]

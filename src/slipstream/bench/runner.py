@@ -844,12 +844,13 @@ def run_bench(
         own_bands: dict[str, tuple[NullBand, NullBand]] = {}
         """precision -> its precision band and curve band (slipstream.bench.precision_band)."""
 
-        def bands_for(precision: str) -> tuple[NullBand | None, NullBand | None, str]:
+        def bands_for(precision: str) -> tuple[NullBand | None, NullBand | None, str | None]:
             """The bands that judge a same-batch contender (or twin) computing in `precision`, and
-            their kind: "precision" (its own re-runs) or "numerics" (the reference's)."""
+            their kind: "precision" (its own re-runs), "numerics" (the reference's), or None where
+            no same-batch band was measured (the order band judges it)."""
             if precision in own_bands:
                 return (*own_bands[precision], "precision")
-            return numerics_null, curve_null, "numerics"
+            return numerics_null, curve_null, "numerics" if numerics_null is not None else None
 
         curve_means = {
             c.name: curve_check.mean_train_loss([x for st in per_round[c.name] for x in st.losses])
@@ -905,7 +906,7 @@ def run_bench(
                                       source=source),
                             null_band(curve_means[c.name], [curve_means[n.name] for n in runs if n.name in curve_means],
                                       parity_floor, resolution=parity_resolution,
-                                      source=f"mean training loss over the timed steps, {source}"),
+                                      source=curve_check.curve_source(source)),
                         )  # fmt: skip
             sampling_error = _paired_sampling_error(sums, ref_sums) if paired else None
             used: NullBand | None = null
@@ -948,7 +949,7 @@ def run_bench(
                 if verdict == "unjudged" and c is not contenders[0]:
                     if c.kind == "peer":
                         warnings.append(f"{c.name}: parity unjudged: not paired (own init and data order)")
-                    elif same_batch_kind == "precision" and used is numerics_band:
+                    elif same_batch_kind == "precision":
                         warnings.append(precision_band.unjudged_note(c.name, c.precision, used))
                     else:
                         warnings.append(unjudged_note(c.name, used))
@@ -958,7 +959,7 @@ def run_bench(
                 verdict = "fail"
                 warnings.append(failure_note(c.name, check))
             trajectory: dict[str, Any] | None = None
-            if numerics_band is not None and used is numerics_band and curve_band is not None:
+            if same_batch_kind and curve_band is not None:
                 trajectory = curve_check.check_curve(
                     curve_means[c.name], curve_means[contenders[0].name], curve_band
                 )
@@ -1034,7 +1035,7 @@ def run_bench(
                     parity_band_kind=None
                     if used is None or c is contenders[0]
                     else _band_kind(
-                        same_batch_kind if numerics_band is not None and used is numerics_band else None,
+                        same_batch_kind,
                         vouched,
                         twin_row is not None,
                     ),

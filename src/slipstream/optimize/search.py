@@ -329,8 +329,9 @@ def optimize(
     )
 
     best: list[str] = []
-    own_bands: dict[str, dict] = {}
-    """precision -> its band entry (`method.parity_precision_bands`), from the first stage that ran it."""
+    own_bands: dict[str, tuple[NullBand | None, NullBand | None]] = {}
+    """precision -> its band and curve band (`method.parity_precision_bands`), from the first stage
+    that ran it."""
     anchor = _Anchor(base, reference, ref_val)
     best_tps = ref.contenders[0].real_tokens_per_s
     speedup = 1.0
@@ -388,7 +389,8 @@ def optimize(
         # band, measured by the stage that first tried it (re-runs of the best in it,
         # slipstream.bench.precision_band) and kept for every later stage in it
         for p, entry in (res.method.get("parity_precision_bands") or {}).items():
-            own_bands.setdefault(p, entry)
+            if p not in own_bands:
+                own_bands[p] = (band_from(entry["validation"]), band_from(entry["curve"]))
         cur = by_name[specs[0]]
         cur_noise = cur.real_tokens_per_s_iqr / cur.real_tokens_per_s if cur.real_tokens_per_s else 1.0
         winner: tuple[float, list[str], Any] | None = None
@@ -408,8 +410,7 @@ def optimize(
                 if precision != getattr(ref.contenders[0], "precision", None)
                 else None
             )
-            same_batch_band = band_from(own["validation"]) if own else numerics_band
-            same_batch_curve = band_from(own["curve"]) if own else curve_band
+            same_batch_band, same_batch_curve = own or (numerics_band, curve_band)
             band_name = "precision" if own else "numerics"
             used = same_batch_band if same_batches(reference, recipe) else band
             verdict, gap = judge_paired(c.val_loss, ref_val, used)
