@@ -22,6 +22,7 @@ from typing import Any
 
 from ..parity import NullBand, gap_words, relative_gap
 
+
 def curve_source(null_source: str) -> str:
     """The curve band's source, from the source of the re-runs it is measured over."""
     return f"mean training loss over the timed steps, {null_source}"
@@ -56,5 +57,4 @@ def failure_note(name: str, row: dict[str, Any]) -> str:
     )
 
 
-__all__ = [
-    "curve_source","CURVE_SOURCE", "check_curve", "failure_note", "mean_train_loss"]
+__all__ = ["curve_source", "CURVE_SOURCE", "check_curve", "failure_note", "mean_train_loss"]
