@@ -401,9 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--noise-seeds",
         type=int,
-        default=2,
         help="null re-runs of the reference (paired: another document order inside each window, same "
-        "init; --unpaired: other seeds); their spread is the parity band (default: 2)",
+        "init; --unpaired: other seeds); their spread is the order band (default: 2 where some verdict "
+        "rests on it — a peer, a custom contender or a recipe without twin on other batches — else 0)",
     )
     p.add_argument(
         "--precision-seeds",

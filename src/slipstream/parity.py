@@ -170,10 +170,13 @@ def gap_words(gap: float | None) -> str:
 def judge_paired(val: float, ref_val: float, band: NullBand) -> tuple[str, float]:
     """(verdict, gap) for a contender paired with the reference: "fail" when |gap| exceeds the band's
     threshold (or the loss is not finite) — a detected difference is a difference however weak the
-    run; "pass" within it when the run could see a `band.resolution` regression; else "unjudged"."""
+    run; "pass" within it when the run could see a `band.resolution` regression; else "unjudged".
+    A band without re-runs (df 0) knows no spread, so no gap is a detected difference: "unjudged"."""
     if not math.isfinite(val):
         return "fail", math.inf
     gap = abs(val - ref_val) / ref_val if ref_val else 0.0
+    if band.df == 0:
+        return "unjudged", gap
     if gap > band.threshold:
         return "fail", gap
     return ("pass" if band.judged else "unjudged"), gap

@@ -79,7 +79,13 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     the peers (when an `auto` contender ran)."""
     m = result["method"]
     out = []
-    if m.get("parity_design") == "paired":
+    if m.get("parity_design") == "paired" and len(m["parity_noise_val_losses"]) < 2:
+        out.append(
+            "parity (paired: same init, same document windows): no order re-runs, as no verdict "
+            "rested on them; each row is judged on the band its parity_band_kind names (numerics, "
+            "precision, batching check, twin)" + _steps_words(m)
+        )
+    elif m.get("parity_design") == "paired":
         losses = ", ".join(f"{v:.4f}" for v in m["parity_noise_val_losses"])
         detect = m.get("parity_detectable_effect")
         out.append(

@@ -419,6 +419,29 @@ def same_batches(a: Recipe, b: Recipe) -> bool:
     return a.shapes == b.shapes and a.shapes.mode != "auto"
 
 
+DEFAULT_NOISE_SEEDS = 2
+"""Order (or, unpaired, seed) re-runs of the reference where some verdict needs them."""
+
+
+def order_band_needed_by(
+    reference: Recipe, others: list[Contender], twinned: set[str], peers: list[str]
+) -> list[str]:
+    """The contenders (and peers) whose verdict only the order band can give. Everyone else is judged
+    without it: a same-batch contender on its numerics or precision band; a change of batching alone
+    by its batching check; a recipe with a twin by the twin and the check. Over 60 seeded runs of
+    planted faults (docs/bench.md) the order band caught none that those missed, and it failed
+    harmless bucket once, so its re-runs are trained only where a verdict rests on them."""
+    needing = list(peers)
+    for c in others:
+        recipe = getattr(c, "recipe", None)
+        if recipe is not None and same_batches(reference, recipe):
+            continue
+        if type(c) is RecipeContender and (batching_only(reference, c.recipe) or c.name in twinned):
+            continue
+        needing.append(c.name)
+    return needing
+
+
 def _validation(c: Contender) -> tuple[float, tuple[list[float], list[int]] | None]:
     """(validation loss, per-batch loss sums and real tokens where the contender gives them)."""
     if isinstance(c, RecipeContender):
@@ -489,14 +512,14 @@ def _twin_failure(name: str, row: dict[str, Any]) -> str:
     return f"{name}: parity fail: its twin (the same recipe on the reference's batches) fails: {why}"
 
 
-def _band_kind(same_batch: str | None, vouched: bool, twinned: bool) -> str:
+def _band_kind(same_batch: str | None, vouched: bool, twinned: bool, order_runs: bool) -> str:
     """What decided a paired verdict (`parity_band_kind`): the numerics or precision band
-    (`same_batch`); the order band; or the order band's unjudged verdict turned by the batching check,
-    alone or with the twin."""
+    (`same_batch`); the order band; or the order band's unjudged verdict (or, without `order_runs`,
+    no order band at all) turned by the batching check, alone or with the twin."""
     if same_batch:
         return same_batch
     if vouched:
-        return "twin+check" if twinned else "order+check"
+        return "twin+check" if twinned else "order+check" if order_runs else "check"
     return "order"
 
 
@@ -546,7 +569,7 @@ def run_bench(
     peers: list[str] | None = None,
     memory: str = "auto",
     parity_floor: float = 0.002,
-    noise_seeds: int = 2,
+    noise_seeds: int | None = None,
     numerics_seeds: int | None = None,
     precision_seeds: int | None = None,
     paired: bool = True,
@@ -570,7 +593,8 @@ def run_bench(
     contender starts from the reference's initial weights and trains on the same document windows
     (`window_tokens` training positions each, default one round's real-token budget); the
     `noise_seeds` extra runs of the reference permute the documents inside each window, and their
-    spread is the null band (`slipstream.parity.null_band`); a verdict is "unjudged" when the run
+    spread is the null band (`slipstream.parity.null_band`; default None: DEFAULT_NOISE_SEEDS where
+    some verdict rests on that order band alone, `order_band_needed_by`, else none); a verdict is "unjudged" when the run
     could not catch a `parity_resolution` regression. The reference trains at least `parity_steps`
     optimizer steps (default `default_parity_steps()`: 100, where planted faults show in the loss):
     when `rounds` give fewer, more rounds follow, timed like the first. A pass on fewer steps than
@@ -602,7 +626,7 @@ def run_bench(
     recipes = recipes or ["baseline"]
     if rounds < 1:
         raise RecipeError(f"rounds={rounds} must be at least 1")
-    if noise_seeds < 0:
+    if noise_seeds is not None and noise_seeds < 0:
         raise RecipeError(f"noise_seeds={noise_seeds} must be >= 0")
     parity_steps = default_parity_steps() if parity_steps is None else parity_steps
     if parity_steps < 0:
@@ -676,13 +700,6 @@ def run_bench(
             real_tokens_per_step=target, name=name, pairing=pairing, searched_batch=searched, **seeds,
         )  # fmt: skip
 
-    for k in range(1, noise_seeds + 1):
-        if paired:  # same init, same windows, another order inside each window
-            spec, name = recipes[0], f"{recipes[0]} (null: window order {k})"
-        else:
-            spec = name = f"{recipes[0]}+runtime.seed={base_seed + k}"
-        say(f"building {name} (noise band)")
-        noise.append(null_run(spec, name, order_seed=k))
     twin_of: dict[str, RecipeContender] = {}
     twin_differs: dict[str, list[str]] = {}
     for c in contenders[1:] if paired and twins and parity_steps > 0 else []:
@@ -705,6 +722,21 @@ def run_bench(
             say(f"no twin for {c.name}: it decided otherwise ({'; '.join(differs)})")
             continue
         twin_of[c.name] = twin
+    if noise_seeds is None:  # auto: only where some verdict can come from the order band alone
+        needing = (
+            order_band_needed_by(specs[0], contenders[1:], set(twin_of), peers or []) if paired else ["all"]
+        )
+        noise_seeds = DEFAULT_NOISE_SEEDS if needing else 0
+        if paired and not needing and len(contenders) > 1:
+            say("no order re-runs: every contender is judged on its numerics or precision band, "
+                "its batching check or its twin (--noise-seeds 2 adds the order band)")  # fmt: skip
+    for k in range(1, noise_seeds + 1):
+        if paired:  # same init, same windows, another order inside each window
+            spec, name = recipes[0], f"{recipes[0]} (null: window order {k})"
+        else:
+            spec = name = f"{recipes[0]}+runtime.seed={base_seed + k}"
+        say(f"building {name} (noise band)")
+        noise.append(null_run(spec, name, order_seed=k))
     numerics: list[Contender] = []
     # the precision each same-batch contender and twin computes in: its null is a re-run in it
     judged = [
@@ -1038,6 +1070,7 @@ def run_bench(
                         same_batch_kind,
                         vouched,
                         twin_row is not None,
+                        bool(noise),
                     ),
                     parity_tolerance=used.threshold if used is not None else max(band, parity_floor),
                     parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
