@@ -434,8 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-twins",
         action="store_true",
         help="no numerics twin for a recipe that changes batching and numerics together (auto, "
-        "bucket+bf16): one training run less each, and the numerics re-run too where no other recipe "
-        "keeps the reference's batches; its parity then rests on the order band alone (docs/bench.md)",
+        "bucket+bf16): its parity then rests on the order band alone, so the 2 order re-runs are "
+        "trained in place of its twin and of the precision or numerics re-runs no other recipe needs "
+        "(docs/bench.md)",
     )
     p.add_argument(
         "--no-match-steps",
