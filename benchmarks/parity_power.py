@@ -115,6 +115,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
         wl, recipes, size=size, rounds=args.rounds, memory="skip", noise_seeds=args.noise_seeds,
         min_dtype_speed=None, custom=custom, paired=not args.unpaired, window_tokens=args.window_tokens,
         parity_steps=args.parity_steps, precision_seeds=args.precision_seeds,
+        numerics_seeds=args.numerics_seeds,
         progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None,
     ).to_dict()  # fmt: skip
     m = res["method"]
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-seeds", type=int, default=2)
     ap.add_argument(
         "--precision-seeds", type=int, default=None, help="bench's --precision-seeds (default 2 where needed)"
+    )
+    ap.add_argument(
+        "--numerics-seeds", type=int, default=None, help="bench's --numerics-seeds (default 1 where needed)"
     )
     ap.add_argument("--parity-steps", type=int, default=None, help="bench's --parity-steps (default 100)")
     ap.add_argument("--unpaired", action="store_true", help="the seed-band design, for comparison")

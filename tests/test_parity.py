@@ -21,6 +21,7 @@ from slipstream.parity import (
     null_band,
     short_run,
     t_quantile_995,
+    unjudged_note,
 )
 
 
@@ -48,6 +49,9 @@ def test_without_null_runs_nothing_is_judged_and_a_wide_band_is_unjudged():
     wide = null_band(3.0, [3.03, 2.97], floor=0.002)  # sigma 1%: would catch only ~16%
     assert wide.detectable > 0.10 and judge_paired(3.05, 3.0, wide) == ("unjudged", pytest.approx(1 / 60))
     assert judge_paired(float("nan"), 3.0, wide)[0] == "fail"
+    # the advice names the option that adds re-runs to the band that left it unjudged
+    assert "(more null re-runs, --noise-seeds, narrow it)" in unjudged_note("bucket", wide)
+    assert "--numerics-seeds" in unjudged_note("fused", wide, "--numerics-seeds")
 
 
 def test_a_tight_band_passes_within_and_fails_beyond():

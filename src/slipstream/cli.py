@@ -182,6 +182,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             memory="skip" if args.no_memory else "auto",
             parity_floor=args.parity_floor,
             noise_seeds=args.noise_seeds,
+            numerics_seeds=args.numerics_seeds,
             precision_seeds=args.precision_seeds,
             paired=not args.unpaired,
             parity_steps=args.parity_steps,
@@ -404,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="null re-runs of the reference (paired: another document order inside each window, same "
         "init; --unpaired: other seeds); their spread is the order band (default: 2 where some verdict "
         "rests on it — a peer, a custom contender or a recipe without twin on other batches — else 0)",
+    )
+    p.add_argument(
+        "--numerics-seeds",
+        type=int,
+        help="re-runs of the reference on its own batches with the rows permuted (another reduction "
+        "order): the numerics band, which judges a recipe on those batches in the reference's "
+        "precision (default: 1 where one is judged, else 0; more narrow a band the re-run widened)",
     )
     p.add_argument(
         "--precision-seeds",

@@ -182,12 +182,13 @@ def judge_paired(val: float, ref_val: float, band: NullBand) -> tuple[str, float
     return ("pass" if band.judged else "unjudged"), gap
 
 
-def unjudged_note(name: str, band: NullBand) -> str:
-    """The words bench and optimize print for an unjudged verdict."""
+def unjudged_note(name: str, band: NullBand, more: str = "--noise-seeds") -> str:
+    """The words bench prints for an unjudged verdict; `more` is the option that adds re-runs to
+    that band (bench's --noise-seeds for the order band, --numerics-seeds for the numerics band)."""
     catch = f">= {band.detectable:.1%}" if math.isfinite(band.detectable) else "nothing (no null re-runs)"
     return (
         f"{name}: parity unjudged: would catch {catch}, not a {band.resolution:.0%} regression "
-        "(more null re-runs, --noise-seeds, narrow it)"
+        f"(more null re-runs, {more}, narrow it)"
     )
 
 

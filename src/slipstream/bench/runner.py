@@ -983,6 +983,8 @@ def run_bench(
                         warnings.append(f"{c.name}: parity unjudged: not paired (own init and data order)")
                     elif same_batch_kind == "precision":
                         warnings.append(precision_band.unjudged_note(c.name, c.precision, used))
+                    elif same_batch_kind == "numerics":
+                        warnings.append(unjudged_note(c.name, used, "--numerics-seeds"))
                     else:
                         warnings.append(unjudged_note(c.name, used))
             else:
