@@ -576,6 +576,7 @@ def run_bench(
     noise_seeds: int | None = None,
     numerics_seeds: int | None = None,
     precision_seeds: int | None = None,
+    grow_numerics: bool | None = None,
     paired: bool = True,
     window_tokens: int | None = None,
     parity_resolution: float = PARITY_RESOLUTION,
@@ -610,7 +611,9 @@ def run_bench(
     (`same_batches`: only numerics, optimizer or model can differ). A same-batch contender (or twin)
     computing in another precision than the reference is judged instead on that precision's band:
     `precision_seeds` re-runs of the reference in that precision with the rows permuted (default 2
-    where one is needed; 0 judges it on the numerics band; slipstream.bench.precision_band). Peers keep their own init and data order: they pass within the band, and are
+    where one is needed; 0 judges it on the numerics band; slipstream.bench.precision_band). With
+    `grow_numerics` (default: when `numerics_seeds` is None) a numerics band too wide to judge 1% gets
+    more re-runs after the rounds, up to MAX_NUMERICS_SEEDS. Peers keep their own init and data order: they pass within the band, and are
     "unjudged" (not "fail") outside it unless the gap exceeds the seed-band rule. A recipe that
     forces a dtype the probe measured below `min_dtype_speed` x fp32 is skipped with the figures
     (None runs every dtype). With `twins` (paired, `parity_steps` > 0) a recipe that changes batching
@@ -756,7 +759,7 @@ def run_bench(
         raise RecipeError(f"precision_seeds={precision_seeds} must be >= 0")
     if precision_seeds == 0:
         own_precisions = []
-    numerics_auto = numerics_seeds is None
+    numerics_auto = numerics_seeds is None if grow_numerics is None else grow_numerics
     if numerics_seeds is None:  # auto: 1, where a contender shares the reference's batches (its
         # spread is ~1e-7 in fp32, so even t(0.995, 1 df) leaves the floor in charge; one run keeps the
         # cost). Where it moved the loss more than that, more follow after the rounds (MAX_NUMERICS_SEEDS).

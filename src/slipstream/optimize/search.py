@@ -297,6 +297,7 @@ def optimize(
         [base],
         noise_seeds=noise_seeds,
         numerics_seeds=1,
+        grow_numerics=True,  # as bench's default: more where the first re-run moved the loss
         parity_floor=parity_floor,
         **common,
     )
