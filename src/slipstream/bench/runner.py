@@ -423,8 +423,8 @@ DEFAULT_NOISE_SEEDS = 2
 """Order (or, unpaired, seed) re-runs of the reference where some verdict needs them."""
 
 MAX_NUMERICS_SEEDS = 3
-"""Numerics re-runs bench trains by default at most: one in the rounds, and after them one more while
-the band is too wide to judge 1% (fp32 GPT small, seed 3: the first moved the loss 0.47%)."""
+"""Numerics re-runs bench trains by default at most: one in the rounds, then more after them, one at a
+time, while the band is too wide to judge 1% (fp32 GPT small, seed 3: the first moved the loss 0.47%)."""
 
 
 def order_band_needed_by(
