@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             curve = c.get("curve_check") or {}
             print(
                 f"  {c['label']:30} {c['kind']:9} gap {c['parity_gap']:.3%} {c['parity']:9} "
-                f"band {c['band_kind']} {c['tolerance']:.3%} detects {'-' if de is None else f'{de:.3%}'}"
+                f"band {c['band_kind']} {'-' if c['tolerance'] is None else format(c['tolerance'], '.3%')} "
+                f"detects {'-' if de is None else f'{de:.3%}'}"
                 + (
                     f"; curve gap {curve['gap']:.3%} of {curve['tolerance']:.3%}"
                     if curve.get("gap") is not None

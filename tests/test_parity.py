@@ -526,6 +526,7 @@ def test_bench_trains_order_re_runs_only_where_a_verdict_rests_on_them():
     bucket, same = res["contenders"][1], res["contenders"][2]
     assert bucket["batching_check"]["passed"]
     assert bucket["parity_band_kind"] == "check" and bucket["parity"] == "pass", res["warnings"]
+    assert bucket["parity_tolerance"] is None  # no spread was measured: the check decided
     assert same["parity_band_kind"] == "numerics" and same["parity"] == "pass", res["warnings"]
     assert summary_lines(res)[0].startswith(
         "parity (paired: same init, same document windows): no order re-runs"

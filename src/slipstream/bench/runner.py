@@ -99,8 +99,9 @@ class ContenderResult:
     parity_band_kind: str | None
     """Which null band judged it: "numerics" (its batches are the reference's: the reference re-run
     with the rows of each batch permuted), "order" (another order inside the windows), or None."""
-    parity_tolerance: float
-    """The allowed gap its verdict used."""
+    parity_tolerance: float | None
+    """The allowed gap its verdict used (None: a band without re-runs, which allows no gap and fails
+    none: the batching check or the twin decided)."""
     parity_detectable_effect: float | None
     """The smallest regression its verdict would catch in ~95% of runs (None: unpaired)."""
     mfu: float
@@ -1116,7 +1117,9 @@ def run_bench(
                         twin_row is not None,
                         bool(noise),
                     ),
-                    parity_tolerance=used.threshold if used is not None else max(band, parity_floor),
+                    parity_tolerance=(used.threshold if used.df else None)
+                    if used is not None
+                    else max(band, parity_floor),
                     parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
                     mfu=mfu,
                     precision=c.precision,
