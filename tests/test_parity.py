@@ -566,3 +566,6 @@ def test_a_numerics_re_run_that_moved_the_loss_brings_more_after_the_rounds(monk
     assert abs(band["val_losses"][2] / band["val_losses"][0] - 1) < 1e-4  # the injected move is one run's
     asked = run_bench("gpt-stdlib", specs, numerics_seeds=1, **kw).to_dict()
     assert len(asked["method"]["parity_numerics_band"]["val_losses"]) == 2
+    # a run too short for a pass (--parity-steps 0, 1 round) is unjudged whatever the band: no more
+    short = run_bench("gpt-stdlib", specs, **{**kw, "parity_steps": 0}).to_dict()
+    assert len(short["method"]["parity_numerics_band"]["val_losses"]) == 2

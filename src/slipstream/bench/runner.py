@@ -888,10 +888,11 @@ def run_bench(
             out = [counted_round(c, None, n) for n in rounds_of_steps]
             return None if any(st is None for st in out) else out[len(out) - len(ref_round_steps) :]  # type: ignore[misc]
 
-        if numerics_auto and numerics_losses and paired:
+        if numerics_auto and numerics_losses and paired and ref_trained >= min_judged_steps(parity_steps):
             # the one fp32 re-run assumed a spread of ~1e-7; where it moved the loss by itself (a
             # model whose training amplifies reassociation), t(0.995, 1) = 63.7 would leave every
-            # same-batch verdict unjudged: more re-runs, after the rounds, narrow t (9.9 at 2, 5.8 at 3)
+            # same-batch verdict unjudged: more re-runs, after the rounds, narrow t (9.9 at 2, 5.8 at
+            # 3). Not on a run too short for a pass: its verdicts are unjudged whatever the band.
             ref_first = contenders[0].validation_loss()
             while (
                 len(numerics) < MAX_NUMERICS_SEEDS
