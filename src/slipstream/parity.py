@@ -109,6 +109,12 @@ class NullBand:
     def judged(self) -> bool:
         return self.detectable <= self.resolution
 
+    @property
+    def allowed(self) -> float | None:
+        """The gap a verdict on this band allows; None without re-runs (df 0): no spread is known,
+        so no gap is a detected difference."""
+        return self.threshold if self.df else None
+
     def to_dict(self) -> dict[str, object]:
         return {
             "source": self.source,
@@ -175,7 +181,7 @@ def judge_paired(val: float, ref_val: float, band: NullBand) -> tuple[str, float
     if not math.isfinite(val):
         return "fail", math.inf
     gap = abs(val - ref_val) / ref_val if ref_val else 0.0
-    if band.df == 0:
+    if band.allowed is None:
         return "unjudged", gap
     if gap > band.threshold:
         return "fail", gap

@@ -79,21 +79,19 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     the peers (when an `auto` contender ran)."""
     m = result["method"]
     out = []
-    if m.get("parity_design") == "paired" and len(m["parity_noise_val_losses"]) < 2:
-        out.append(
-            "parity (paired: same init, same document windows): no order re-runs, as no verdict "
-            "rested on them; each row is judged on the band its parity_band_kind names (numerics, "
-            "precision, batching check, twin)" + _steps_words(m)
-        )
-    elif m.get("parity_design") == "paired":
+    if m.get("parity_design") == "paired":
         losses = ", ".join(f"{v:.4f}" for v in m["parity_noise_val_losses"])
         detect = m.get("parity_detectable_effect")
-        out.append(
-            f"parity (paired: same init, same document windows): pass when the val-loss gap is <= "
-            f"{m['parity_tolerance']:.2%} and the run would catch a {m['parity_resolution']:.0%} regression; "
-            f"this one would catch >= {'nothing (no null re-runs)' if detect is None else f'{detect:.2%}'} "
-            f"(null band from {m['parity_band_source']}: val losses {losses})" + _steps_words(m)
+        band = (
+            "no order re-runs, as no verdict rested on them; each row is judged on the band its "
+            "parity_band_kind names (numerics, precision, batching check, twin)"
+            if len(m["parity_noise_val_losses"]) < 2
+            else f"pass when the val-loss gap is <= {m['parity_tolerance']:.2%} and the run would catch a "
+            f"{m['parity_resolution']:.0%} regression; this one would catch >= "
+            f"{'nothing (no null re-runs)' if detect is None else f'{detect:.2%}'} "
+            f"(null band from {m['parity_band_source']}: val losses {losses})"
         )
+        out.append("parity (paired: same init, same document windows): " + band + _steps_words(m))
     elif "parity_noise_band" in m:
         losses = ", ".join(f"{v:.4f}" for v in m["parity_noise_val_losses"])
         out.append(

@@ -765,11 +765,15 @@ def run_bench(
         # spread is ~1e-7 in fp32, so even t(0.995, 1 df) leaves the floor in charge; one run keeps the
         # cost). Where it moved the loss more than that, more follow after the rounds (MAX_NUMERICS_SEEDS).
         numerics_seeds = 1 if any(p not in own_precisions for p in judged) else 0
+
+    def numerics_run(k: int) -> RecipeContender:
+        """The k-th numerics re-run: the reference on its batches with the rows permuted."""
+        name = f"{recipes[0]} (null: row order {k})"
+        say(f"building {name} (numerics band)")
+        return null_run(recipes[0], name, row_seed=k)
+
     if paired:
-        for k in range(1, numerics_seeds + 1):
-            name = f"{recipes[0]} (null: row order {k})"
-            say(f"building {name} (numerics band)")
-            numerics.append(null_run(recipes[0], name, row_seed=k))
+        numerics.extend(numerics_run(k) for k in range(1, numerics_seeds + 1))
     precision_nulls: dict[str, list[RecipeContender]] = {}
     for p in own_precisions:
         for k in range(1, precision_seeds + 1):
@@ -815,16 +819,23 @@ def run_bench(
                 capped.add(c.name)
             return stats
 
-        for c in everyone:
+        def warm_up(c: Contender) -> bool:
+            """The untimed first steps; False where the contender failed in them."""
             say(f"warm-up {c.name}")
             t0 = time.perf_counter()
             since = cuda_memory.allocated()
+            recompiles.setdefault(c.name, 0)
             first = counted_round(c, None, 1)
             recompiles[c.name] = 0  # the first step's graphs are compiles, not recompiles
-            if first is not None and warmup_steps > 1:
-                counted_round(c, None, warmup_steps - 1)
+            rest = (
+                counted_round(c, None, warmup_steps - 1) if first is not None and warmup_steps > 1 else first
+            )
             warm[c.name] = time.perf_counter() - t0
             cuda_memory.keep(c.name, since)  # optimizer state, CUDA graph pools: created by the first steps
+            return rest is not None
+
+        for c in everyone:
+            warm_up(c)
 
         per_round: dict[str, list[RoundStats]] = {c.name: [] for c in everyone}
         planned, ref_trained, rounds_run = rounds, 0, 0
@@ -883,27 +894,26 @@ def run_bench(
         def replay(c: RecipeContender) -> list[RoundStats] | None:
             """Train a null built after the rounds as the rounds trained it: its warm-up, then the
             reference's steps of each round (untimed: a null, not a contender)."""
-            recompiles[c.name] = 0
-            rounds_of_steps = [1, *([warmup_steps - 1] if warmup_steps > 1 else []), *ref_round_steps]
-            out = [counted_round(c, None, n) for n in rounds_of_steps]
-            return None if any(st is None for st in out) else out[len(out) - len(ref_round_steps) :]  # type: ignore[misc]
+            if not warm_up(c):
+                return None
+            stats = [counted_round(c, None, n) for n in ref_round_steps]
+            return None if any(st is None for st in stats) else stats  # type: ignore[return-value]
 
+        ref_validation: tuple[float, tuple[list[float], list[int]] | None] | None = None
         if numerics_auto and numerics_losses and paired and ref_trained >= min_judged_steps(parity_steps):
             # the one fp32 re-run assumed a spread of ~1e-7; where it moved the loss by itself (a
             # model whose training amplifies reassociation), t(0.995, 1) = 63.7 would leave every
             # same-batch verdict unjudged: more re-runs, after the rounds, narrow t (9.9 at 2, 5.8 at
             # 3). Not on a run too short for a pass: its verdicts are unjudged whatever the band.
-            ref_first = contenders[0].validation_loss()
+            ref_validation = ref_validation or _validation(contenders[0])
             while (
                 len(numerics) < MAX_NUMERICS_SEEDS
                 and not null_band(
-                    ref_first, numerics_losses, parity_floor, resolution=parity_resolution
+                    ref_validation[0], numerics_losses, parity_floor, resolution=parity_resolution
                 ).judged
             ):
-                k = len(numerics) + 1
-                name = f"{recipes[0]} (null: row order {k})"
-                say(f"the numerics re-run moved the loss by itself: training {name} after the rounds")
-                extra = null_run(recipes[0], name, row_seed=k)
+                say("the numerics re-run moved the loss by itself: one more, trained after the rounds")
+                extra = numerics_run(len(numerics) + 1)
                 everyone.append(extra)
                 numerics.append(extra)
                 stats = replay(extra)
@@ -954,7 +964,7 @@ def run_bench(
             padded = sum(s.padded_tokens for s in stats)
             step_time = seconds / max(steps, 1)
             say(f"validation {c.name}")
-            val, sums = _validation(c)
+            val, sums = ref_validation if ref_validation and c is contenders[0] else _validation(c)
             check: dict[str, Any] | None = None
             if paired and isinstance(c, RecipeContender) and c is not contenders[0]:
                 say(f"batching check {c.name}")
@@ -1118,9 +1128,7 @@ def run_bench(
                         twin_row is not None,
                         bool(noise),
                     ),
-                    parity_tolerance=(used.threshold if used.df else None)
-                    if used is not None
-                    else max(band, parity_floor),
+                    parity_tolerance=used.allowed if used is not None else max(band, parity_floor),
                     parity_detectable_effect=_finite_or_none(used.detectable) if used is not None else None,
                     mfu=mfu,
                     precision=c.precision,
