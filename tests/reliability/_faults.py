@@ -92,6 +92,19 @@ class Child:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_for_output(self, pattern: str, timeout: float = 300) -> bool:
+        """Block until a line of the log matches `pattern` (a regex; progress goes to stderr,
+        which Python flushes per line); False when the child exits first or `timeout` passes.
+        Anchors a kill to where the command is, not to how fast this host ran it there."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = not self.alive() or time.monotonic() > deadline
+            if re.search(pattern, self.output(), re.MULTILINE):
+                return True
+            if done:
+                return False
+            time.sleep(0.01)
+
     def _reap_group(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the group this test created, if any is left

@@ -6,10 +6,10 @@
   new checkpoint just renamed into place, a random fraction of a checkpoint interval later (mid
   steps), or a random delay after start. Each resume must give per-step losses bit-identical to
   the reference, resume from the checkpoint the kill point implies, and leave no temp file.
-- `tune`: killed mid-study and again while writing its outputs; the same command resumes the
+- `tune`: killed mid-study (as a seeded trial is reported) and again while writing its outputs; the same command resumes the
   study (finished trials kept, the killed one failed by its heartbeat) and the SQLite study, the
   JSON, the recipe and the plots are never torn.
-- `optimize`: killed mid-search and again while writing its outputs; the same command runs again
+- `optimize`: killed mid-search (as a seeded round ends) and again while writing its outputs; the same command runs again
   to a complete, parseable set of outputs.
 
 No fault hook in slipstream is used: the faults come from this test (see _faults.py).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sqlite3
 import sys
 import time
@@ -159,11 +160,12 @@ def test_tune_killed_mid_study_and_mid_write_resumes(tmp_path):
     args = [*TUNE, "--run-dir", run_dir, "--json", run_dir / "out.json"]
     watch = FolderWatch(run_dir)
 
-    # 1. mid-study: a seeded delay after the study database appears
+    # 1. mid-study: as a seeded trial (0 or 1) is reported, so the kill lands in the next one or
+    # between the two (a seeded delay after the database appeared once landed after the last trial)
     child = Child(args, tmp_path, tmp_path / "1.txt")
     try:
         assert watch.wait_for("created", "study.db", 1, child), child.output()
-        time.sleep(0.3 + 3.0 * rng.random())
+        assert child.wait_for_output(rf"^trial +{rng.randint(0, 1)} "), child.output()
         assert child.alive(), child.output()
     finally:
         assert child.kill() == -9
@@ -214,10 +216,12 @@ def test_optimize_killed_mid_search_and_mid_write_runs_again(tmp_path):
     args = [*OPTIMIZE, "--out", out]
     watch = FolderWatch(out)
 
-    # 1. mid-search: a seeded delay after start; nothing is written before the end
+    # 1. mid-search: as it reaches a seeded point of its progress log (a seeded delay after start
+    # once landed after the whole 3 s search on an idle host); nothing is written before the end
     child = Child(args, tmp_path, tmp_path / "1.txt")
     try:
-        time.sleep(2.0 + 4.0 * rng.random())
+        point = rng.choice(["stage reference", "] warm-up", "] round 1/", "stage shapes", "batching check"])
+        assert child.wait_for_output(re.escape(point)), child.output()
         assert child.alive(), child.output()
     finally:
         assert child.kill() == -9

@@ -126,8 +126,11 @@ def test_streamed_completions_measure_ttft_inter_token_latency_and_usage_tokens(
     # tokens from the usage chunk (2 per text chunk here), not from counting chunks
     assert res.output_tokens == res.ok * n * USAGE_PER_CHUNK
     assert res.tokens_per_s == pytest.approx(res.output_tokens / res.duration_s)
-    # TTFT from the intended send time to the first text chunk; the whole answer takes longer
-    assert TTFT_S <= res.ttft_p50_s <= res.ttft_p90_s <= res.ttft_p99_s < res.p50_s
+    # TTFT from the intended send time to the first text chunk; each whole answer takes longer than
+    # its own first token, so every quantile of TTFT sits below the same quantile of latency. (A
+    # cross-quantile check, TTFT p99 < latency p50, fails on one late send on a busy host.)
+    assert TTFT_S <= res.ttft_p50_s <= res.ttft_p90_s <= res.ttft_p99_s
+    assert res.ttft_p50_s < res.p50_s and res.ttft_p90_s < res.p90_s and res.ttft_p99_s < res.p99_s
     assert res.p50_s >= TTFT_S + (n - 1) * ITL_S
     # gaps between text chunks of one answer: ~ITL_S, not TTFT_S, not 0
     assert 0.8 * ITL_S <= res.itl_p50_s <= res.itl_p90_s <= res.itl_p99_s

@@ -39,18 +39,34 @@ def test_two_cli_workers_fill_20_trials_without_duplicates(postgres_url, tmp_pat
     cmd += ["--study", "two-workers", "--storage", postgres_url, "--heartbeat", "1", "--no-plots"]
     cmd += ["--seed", "7"]  # the same line on every machine: the seeds still differ per worker
     # Each worker imports first and then waits at a barrier: on 2 busy cores one worker's imports
-    # once lagged so far that the other had finished all 20 trials alone (CI, 2026-12-06).
+    # once lagged so far that the other had finished all 20 trials alone (CI, 2026-12-06). Branin
+    # takes microseconds, so even after the barrier one worker could still ask all 20 before the
+    # other had opened the database (3d2f52a, twice): each worker's first trial waits until the
+    # other has one running too. The CLI, storage and lock are the real ones; only the objective's
+    # first call blocks.
     go = tmp_path / "go"
     barrier = (
-        "import pathlib, sys, time, optuna, slipstream.cli, slipstream.tune.cli\n"
-        "pathlib.Path(sys.argv[1]).touch()\n"
-        "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.02)\n"
-        "sys.exit(slipstream.cli.main(sys.argv[3:]))\n"
+        "import dataclasses, pathlib, sys, time, optuna, slipstream.cli, slipstream.tune.cli\n"
+        "from slipstream.tune import objectives\n"
+        "ready, go, here = (pathlib.Path(a) for a in sys.argv[1:4])\n"
+        "branin = objectives.SYNTHETIC['branin']\n"
+        "waited = []\n"
+        "def first_waits(p):\n"
+        "    if not waited:\n"
+        "        waited.append(True)\n"
+        "        (here / f'{ready.stem}.trial').touch()\n"
+        "        deadline = time.monotonic() + 120\n"
+        "        while len(list(here.glob('*.trial'))) < 2 and time.monotonic() < deadline: time.sleep(0.02)\n"
+        "    return branin.fn(p)\n"
+        "objectives.SYNTHETIC['branin'] = dataclasses.replace(branin, fn=first_waits)\n"
+        "ready.touch()\n"
+        "while not go.exists(): time.sleep(0.02)\n"
+        "sys.exit(slipstream.cli.main(sys.argv[4:]))\n"
     )
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", barrier, str(tmp_path / f"{w}.ready"), str(go), *cmd[3:]]
+            [sys.executable, "-c", barrier, str(tmp_path / f"{w}.ready"), str(go), str(tmp_path), *cmd[3:]]
             + ["--run-dir", str(tmp_path / w), "--json", str(tmp_path / f"{w}.json")],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
