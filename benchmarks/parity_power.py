@@ -7,7 +7,7 @@ effect of every run.
     python benchmarks/parity_power.py --model gpt --size small --seeds 2 --unpaired   # the seed band
 
 One seeded run is one `run_bench` (every contender at `runtime.seed=S`, default rounds, round
-budget and parity steps — at least 100 optimizer steps of the reference —, 2 null re-runs): the reference (baseline), the harmless recipes (bucket, pack with the
+budget and parity steps — at least 100 optimizer steps of the reference —, and bench's null re-runs: the order re-runs only where a verdict rests on them): the reference (baseline), the harmless recipes (bucket, pack with the
 mask, foreach AdamW, bf16 — run for its numerics even where it does not pay —, and bucket + bf16,
 which changes batching and numerics together) and the planted faults of slipstream.bench.faults
 (lr x 3, pack with the document mask dropped, labels shifted by one, pure bf16, the first block
@@ -197,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--noise-seeds", type=int, default=2)
+    ap.add_argument(
+        "--noise-seeds",
+        type=int,
+        default=None,
+        help="bench's --noise-seeds (default as bench: 2 order re-runs only where a verdict rests on them)",
+    )
     ap.add_argument(
         "--precision-seeds", type=int, default=None, help="bench's --precision-seeds (default 2 where needed)"
     )
