@@ -6,8 +6,10 @@ floor rules. A bf16 run is another matter on some models. Measured on host B (AM
 2026-12-06), built-in GPT small at the default budget, seed 1: bf16 autocast with the same rows
 permuted ended **1.54%** from bf16 autocast unpermuted, while the fp32 pair ended 1e-7 apart. Every
 bf16 rounding turns a 1e-7 difference into a 4e-3 one, so a bf16 run there is one draw from a spread
-of ~1%, and harmless bf16 failed the fp32 numerics band in 2 of 3 seeds (docs/bench.md). On GPT tiny
-and HF Llama tiny the same change stayed within 0.022% over 20 seeds.
+of ~1%, and harmless bf16 failed the fp32 numerics band in 2 of 3 seeds (docs/bench.md). A 20-step
+learning-rate warm-up does not make it stable: the two bf16 re-runs of seed 1 ended +0.44% and
++0.04% from fp32 with `optimizer.warmup_steps=20`. On GPT tiny and HF Llama tiny the same change
+stayed within 0.022% over 20 seeds.
 
 So a same-batch contender in precision `p` (bf16, fp16) is judged on the spread of the reference
 re-run *in p* with the rows of each batch permuted: runs that differ from the reference only in what
@@ -55,7 +57,7 @@ def unjudged_note(name: str, precision: str, band: NullBand) -> str:
     return (
         f"{name}: parity unjudged: the reference re-run in {precision} moved the loss by itself "
         f"(sigma {band.sigma:.2%}), so this run would catch >= {band.detectable:.1%}, not a "
-        f"{band.resolution:.0%} regression; more --precision-seeds or a longer run narrow it"
+        f"{band.resolution:.0%} regression; more --precision-seeds shrink its t factor, not that spread"
     )
 
 
