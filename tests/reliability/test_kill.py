@@ -9,7 +9,7 @@
 - `tune`: killed mid-study (as a seeded trial is reported) and again while writing its outputs; the same command resumes the
   study (finished trials kept, the killed one failed by its heartbeat) and the SQLite study, the
   JSON, the recipe and the plots are never torn.
-- `optimize`: killed mid-search (as a seeded round ends) and again while writing its outputs; the same command runs again
+- `optimize`: killed mid-search (at a seeded line of its progress log) and again while writing its outputs; the same command runs again
   to a complete, parseable set of outputs.
 
 No fault hook in slipstream is used: the faults come from this test (see _faults.py).

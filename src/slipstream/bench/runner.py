@@ -905,7 +905,7 @@ def run_bench(
             # model whose training amplifies reassociation), t(0.995, 1) = 63.7 would leave every
             # same-batch verdict unjudged: more re-runs, after the rounds, narrow t (9.9 at 2, 5.8 at
             # 3). Not on a run too short for a pass: its verdicts are unjudged whatever the band.
-            ref_validation = ref_validation or _validation(contenders[0])
+            ref_validation = _validation(contenders[0])
             while (
                 len(numerics) < MAX_NUMERICS_SEEDS
                 and not null_band(
