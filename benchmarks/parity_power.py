@@ -130,6 +130,7 @@ def one_run(wl: str, size: str, seed: int, args) -> dict:
             "detectable_effect": c.get("parity_detectable_effect"), "steps": c["steps"],
             "real_tokens": c["real_tokens"], "batching_check": c.get("batching_check"),
             "curve_check": c.get("curve_check"), "parity_twin": c.get("parity_twin"),
+            "update_check": c.get("update_check"),
         })  # fmt: skip
     return {
         "seed": seed,
@@ -165,6 +166,12 @@ def _twin_words(twin: dict | None) -> str:
     gap = "-" if twin["gap"] is None else f"{twin['gap']:.3%}"
     curve_gap = f", curve gap {curve['gap']:.3%}" if curve.get("gap") is not None else ""
     return f"; twin {twin['verdict']} (gap {gap}{curve_gap})"
+
+
+def _update_words(row: dict | None) -> str:
+    if not row or row.get("median_error") is None:
+        return ""
+    return f"; update error {row['median_error']:.2%} of {row['tolerance']:.2%}"
 
 
 def _label(name: str, extra: str) -> str:
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                     if curve.get("gap") is not None
                     else ""
                 )
+                + _update_words(c.get("update_check"))
                 + _twin_words(c.get("parity_twin")),
                 flush=True,
             )

@@ -10,6 +10,7 @@ Method (torch.utils.benchmark / MLPerf style):
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import threading
@@ -46,7 +47,7 @@ from ..runtime import resolve_device
 from ..session import Session
 from ..shapes.loader import Batch, ShapedLoader
 from ..workloads import get_workload
-from . import curve_check, precision_band
+from . import curve_check, precision_band, update_check
 from .batching_check import batching_only, check_batching, failure_note, vouch
 from .contenders import (
     Contender,
@@ -121,6 +122,10 @@ class ContenderResult:
     """A recipe that changes batching and numerics together: its twin (the same recipe on the
     reference's shapes and dataflow) judged on the numerics band and curve check (slipstream.bench.twin):
     `name`, `val_loss`, `gap`, `tolerance`, `verdict`, `curve_check`."""
+    update_check: dict[str, Any] | None = None
+    """Contenders judged on their precision's band: from the reference's final weights and optimizer
+    state, their weight change over a step vs the reference's (slipstream.bench.update_check); beyond
+    tolerance fails parity, within it vouches for a precision-only recipe its band left unjudged."""
     curve_check: dict[str, Any] | None = None
     """Contenders judged on the numerics band: their mean training loss over the timed steps vs the
     reference's, on the same batches (slipstream.bench.curve_check); a gap beyond the numerics
@@ -323,15 +328,52 @@ class RecipeContender(LoopContender):
             self.session.step(self.optimizer)
         return loss
 
-    def window_batches(self) -> list[tuple[Batch, int]]:
+    def window_batches(self, raw: bool = False) -> list[tuple[Batch, int]]:
         """Window 0's documents as this contender feeds them to its model: (what `step_inputs`
-        makes of each of its batches, the batch's predicted tokens). Paired runs only."""
+        makes of each of its batches, or the loader's batch itself with `raw`, the batch's predicted
+        tokens). Paired runs only."""
         shaped = self.loader.window_loader(0)
         out = []
         for plan in shaped.plans(epoch=0):
             batch = shaped.make_batch(plan)
-            out.append((self.step_inputs(batch), int(batch.real_tokens)))
+            out.append((batch if raw else self.step_inputs(batch), int(batch.real_tokens)))
         return out
+
+    def step_updates(
+        self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], batches: list[Batch]
+    ) -> dict[str, torch.Tensor]:
+        """Per parameter: the change of its weights (in fp32) over one optimizer step per batch of
+        `batches` (loader batches, fed through `step_inputs`), from `model_state` and
+        `optimizer_state` loaded into this contender's model and optimizer, in its precision, with
+        its loss scaling and clipping, at the learning rate each group started at (no schedule) and a
+        fixed RNG seed. Overwrites its weights and optimizer state: call it after its validation
+        (the update check); its step records are left as they were."""
+        module = getattr(self.model, "_orig_mod", self.model)  # eager: no recompile for one step
+        module.load_state_dict(model_state)
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # it would alias same-dtype state
+        for group in self.optimizer.param_groups:
+            group["lr"] = group.get("initial_lr", group["lr"])  # a decayed schedule could be at ~0
+        before = {n: p.detach().float().clone() for n, p in module.named_parameters()}
+        session, tracker = self.session, self.session.tracker
+        saved = (list(tracker.records), tracker.skipped_steps, session.step_count)
+        scheduler = session.schedulers.pop(id(self.optimizer), None)
+        was_training = module.training
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(0)  # dropout draws the same masks on both sides
+                module.train()
+                for batch in batches:
+                    with session.autocast():
+                        loss = loss_of(module(**self.step_inputs(batch)))
+                    session.backward(loss)
+                    session.step(self.optimizer)
+        finally:
+            module.train(was_training)
+            tracker.records[:], tracker.skipped_steps, session.step_count = saved
+            if scheduler is not None:
+                session.schedulers[id(self.optimizer)] = scheduler
+        return {n: p.detach().float() - before[n] for n, p in module.named_parameters()}
 
     def window_loss(
         self, state: dict[str, torch.Tensor], *batch_lists: list[tuple[Batch, int]]
@@ -480,14 +522,21 @@ def _twin_row(
     kind: str,
     curve_means: dict[str, float],
     reference: Contender,
+    update_check_of: Callable[[RecipeContender], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The twin's own verdict against the reference: the numerics band (or its precision's band,
-    `kind`) on its validation loss, then the curve check on its training loss (slipstream.bench.twin)."""
+    `kind`) on its validation loss, with its update check (`update_check_of`, run after its
+    validation: slipstream.bench.update_check) where its precision's band judges it, then the curve
+    check on its training loss (slipstream.bench.twin)."""
     val = twin.validation_loss()
     if numerics is None:
         verdict, gap = "unjudged", relative_gap(val, ref_val)
     else:
         verdict, gap = judge_paired(val, ref_val, numerics)
+    updates = update_check_of(twin) if update_check_of is not None else None
+    if updates is not None:
+        only = update_check.precision_only(reference.recipe, twin.recipe)  # type: ignore[attr-defined]
+        verdict = "fail" if updates.get("passed") is False else update_check.vouch(verdict, updates, only)
     trajectory = None
     if curve is not None:
         trajectory = curve_check.check_curve(curve_means[twin.name], curve_means[reference.name], curve)
@@ -501,6 +550,7 @@ def _twin_row(
         "band": kind,
         "verdict": verdict,
         "curve_check": trajectory,
+        "update_check": updates,
     }
 
 
@@ -508,6 +558,9 @@ def _twin_failure(name: str, row: dict[str, Any]) -> str:
     curve = row.get("curve_check") or {}
     if curve.get("passed") is False:
         why = f"its training loss averages {gap_words(curve['gap'])} off the reference's"
+    elif (row.get("update_check") or {}).get("passed") is False:
+        u = row["update_check"]
+        why = f"its steps change the weights {u['median_error']:.1%} off the reference's (> {u['tolerance']:.1%})"
     elif row["gap"] is None:
         why = "its validation loss is not finite"
     else:
@@ -520,9 +573,10 @@ def _twin_failure(name: str, row: dict[str, Any]) -> str:
 def _band_kind(same_batch: str | None, vouched: bool, twinned: bool, order_runs: bool) -> str:
     """What decided a paired verdict (`parity_band_kind`): the numerics or precision band
     (`same_batch`); the order band; or the order band's unjudged verdict (or, without `order_runs`,
-    no order band at all) turned by the batching check, alone or with the twin."""
+    no order band at all) turned by the batching check, alone or with the twin; "precision+update":
+    the precision band's unjudged verdict turned by the update check."""
     if same_batch:
-        return same_batch
+        return f"{same_batch}+update" if vouched else same_batch
     if vouched:
         return "twin+check" if twinned else "order+check" if order_runs else "check"
     return "order"
@@ -948,6 +1002,28 @@ def run_bench(
         ref_model = getattr(contenders[0], "model", None)
         ref_state = getattr(ref_model, "_orig_mod", ref_model).state_dict() if ref_model is not None else {}
         ref_batches: list[tuple[Batch, int]] = []
+        update_start: dict[str, Any] = {}
+
+        def update_row(c: RecipeContender) -> dict[str, Any]:
+            """The update check's row for `c` (slipstream.bench.update_check). The reference's own
+            steps are taken once, from a copy of its final state, which it gets back after."""
+            if not update_start:
+                ref = contenders[0]
+                module = getattr(ref.model, "_orig_mod", ref.model)
+                start = {
+                    "model": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                    "optimizer": copy.deepcopy(ref.optimizer.state_dict()),
+                }
+                batches = [b for b, _ in ref.window_batches(raw=True)][: update_check.UPDATE_STEPS]
+                updates = ref.step_updates(start["model"], start["optimizer"], batches)
+                module.load_state_dict(start["model"])  # ref_state holds these tensors: restored
+                ref.optimizer.load_state_dict(copy.deepcopy(start["optimizer"]))
+                update_start.update(start=start, updates=updates, batches=batches)
+            say(f"update check {c.name}")
+            return update_check.check_updates(
+                c, update_start["updates"], update_start["start"], update_start["batches"]
+            )
+
         results: list[ContenderResult] = []
         warnings: list[str] = []
         ref_val: float | None = None
@@ -999,11 +1075,14 @@ def run_bench(
             numerics_band: NullBand | None = None
             curve_band: NullBand | None = None
             same_batch_kind: str | None = None
+            updates: dict[str, Any] | None = None
             if isinstance(c, RecipeContender) and c is not contenders[0]:
                 if same_batches(contenders[0].recipe, c.recipe):
                     # the same batches as the reference: only numerics can differ
                     numerics_band, curve_band, same_batch_kind = bands_for(c.precision)
                     used = numerics_band or null
+                    if same_batch_kind == "precision":
+                        updates = update_row(c)
             vouched = False
             twin_row: dict[str, Any] | None = None
             if used is not None:
@@ -1016,12 +1095,21 @@ def run_bench(
                     only = batching_only(contenders[0].recipe, c.recipe)  # type: ignore[attr-defined]
                     vouched_verdict = vouch(verdict, check, only)
                     vouched, verdict = vouched_verdict != verdict, vouched_verdict
+                if updates is not None:
+                    only = type(c) is RecipeContender and update_check.precision_only(
+                        contenders[0].recipe,  # type: ignore[attr-defined]
+                        c.recipe,  # type: ignore[attr-defined]
+                    )
+                    vouched_verdict = update_check.vouch(verdict, updates, only)
+                    vouched, verdict = vouched_verdict != verdict, vouched_verdict
                 twin = twin_of.get(c.name)
                 if used is null and twin is not None and twin.name not in failed:
                     say(f"validation {twin.name}")
+                    twin_bands = bands_for(twin.precision)
                     twin_row = _twin_row(
-                        twin, ref_val, *bands_for(twin.precision), curve_means, contenders[0]
-                    )
+                        twin, ref_val, *twin_bands, curve_means, contenders[0],
+                        update_row if twin_bands[2] == "precision" else None,
+                    )  # fmt: skip
                     twinned = judge_with_twin(verdict, check, twin_row)
                     if twinned != verdict and twin_row["verdict"] == "fail":
                         warnings.append(_twin_failure(c.name, twin_row))
@@ -1046,6 +1134,9 @@ def run_bench(
             if check is not None and check.get("passed") is False:
                 verdict = "fail"
                 warnings.append(failure_note(c.name, check))
+            if updates is not None and updates.get("passed") is False:
+                verdict = "fail"
+                warnings.append(update_check.failure_note(c.name, c.precision, updates))
             trajectory: dict[str, Any] | None = None
             if same_batch_kind and curve_band is not None:
                 trajectory = curve_check.check_curve(
@@ -1137,6 +1228,7 @@ def run_bench(
                     time_breakdown_s={"compute": max(0.0, seconds - data_wait), "data_wait": data_wait},
                     info={k: v for k, v in info.items() if k not in ("distinct_shapes", "recompiles")},
                     batching_check=check,
+                    update_check=updates,
                     curve_check=trajectory,
                     parity_twin=twin_row,
                 )
