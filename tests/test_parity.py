@@ -493,6 +493,79 @@ def test_a_contender_in_another_precision_is_judged_on_that_precisions_band():
     assert res["contenders"][1]["parity_band_kind"] == "numerics"
 
 
+def test_the_update_check_is_the_median_error_over_the_tensors_the_reference_moved():
+    import torch
+
+    from slipstream.bench.update_check import UPDATE_TOLERANCE, UpdateCheck, update_errors
+
+    ref = {"a": torch.ones(4), "b": torch.full((4,), 2.0), "c": torch.ones(2), "frozen": torch.zeros(3)}
+    own = {
+        "a": torch.full((4,), 1.01),
+        "b": torch.full((4,), 2.0),
+        "c": torch.zeros(2),
+        "frozen": torch.ones(3),
+    }
+    errors = update_errors(own, ref)
+    assert sorted(errors) == ["a", "b", "c"]  # a tensor the reference did not move says nothing
+    assert errors["a"] == pytest.approx(0.01) and errors["b"] == 0 and errors["c"] == pytest.approx(1.0)
+    check = UpdateCheck(errors)
+    assert check.median == pytest.approx(0.01) and check.passed  # one lost tensor of three: the median holds
+    row = check.to_dict()
+    assert row["worst"][0] == ["c", pytest.approx(1.0)] and row["tensors"] == 3
+    lost = UpdateCheck(update_errors({k: torch.zeros_like(v) for k, v in ref.items()}, ref))
+    assert lost.median == pytest.approx(1.0) and not lost.passed
+    edge = UpdateCheck({"a": UPDATE_TOLERANCE * 1.001, "b": 0.0, "c": 1.0})
+    assert not edge.passed
+    nothing = UpdateCheck({})  # no tensor moved: nothing to vouch for
+    assert not nothing.passed and nothing.to_dict()["median_error"] is None
+
+
+def test_only_a_plain_change_of_precision_with_a_passed_update_check_is_vouched():
+    from slipstream.bench.update_check import precision_only, vouch
+    from slipstream.presets import resolve_recipe
+
+    base = resolve_recipe("baseline")
+    assert precision_only(base, resolve_recipe("baseline+precision.dtype=bf16"))
+    assert precision_only(
+        base, resolve_recipe("baseline+precision.dtype=fp16+precision.loss_scale_init=1024")
+    )
+    assert not precision_only(base, resolve_recipe("baseline+precision.dtype=bf16+optimizer.lr=0.003"))
+    assert not precision_only(base, resolve_recipe("bucket+precision.dtype=bf16"))
+    passed, failed = {"passed": True}, {"passed": False}
+    assert vouch("unjudged", passed, True) == "pass"
+    assert vouch("fail", passed, True) == "fail"  # the band saw a difference: it stands
+    assert vouch("unjudged", failed, True) == "unjudged"
+    assert vouch("unjudged", {"skipped": "parameters differ"}, True) == "unjudged"
+    assert vouch("unjudged", passed, False) == "unjudged"  # custom code, or more than precision changed
+    from slipstream.bench.runner import _band_kind
+
+    assert _band_kind("precision", True, False, False) == "precision+update"
+    assert _band_kind("precision", False, False, False) == "precision"
+
+
+def test_the_update_check_fails_weights_kept_in_bf16_and_passes_bf16_autocast():
+    """From the reference's final state, one step of bf16 autocast moves the weights as fp32 does
+    (rounding in the gradient), one step of pure bf16 weights does not (updates below a weight's
+    spacing are lost): the fault fails on the check, whatever its loss band says."""
+    from slipstream.bench import run_bench
+    from slipstream.bench.faults import fault_contenders
+
+    ref, bf16 = "baseline" + SMALL, "bf16" + SMALL
+    names, custom = fault_contenders(SMALL, ("bf16-pure",))
+    kw = dict(size="tiny", rounds=1, round_tokens=600, warmup_steps=1, val_batches=1, memory="skip",
+              noise_seeds=0, parity_steps=6, min_dtype_speed=None, precision_seeds=1)  # fmt: skip
+    res = run_bench("gpt-stdlib", [ref, bf16, *names], custom=custom, **kw).to_dict()
+    rows = {c["name"]: c for c in res["contenders"]}
+    assert rows[ref]["update_check"] is None  # the reference is what the others match
+    autocast, pure = rows[bf16]["update_check"], rows[names[0]]["update_check"]
+    assert autocast["passed"] and autocast["median_error"] < autocast["tolerance"] / 3
+    assert pure["passed"] is False and pure["median_error"] > 3 * pure["tolerance"]
+    assert rows[names[0]]["parity"] == "fail" and rows[bf16]["parity"] != "fail"
+    assert any(
+        w.startswith(names[0] + ": parity fail: from the reference's final weights") for w in res["warnings"]
+    )
+
+
 def test_the_precision_band_needs_only_the_precisions_the_reference_does_not_compute_in():
     from slipstream.bench.precision_band import null_recipe, precisions_to_null, unjudged_note
     from slipstream.parity import null_band

@@ -99,7 +99,9 @@ class ContenderResult:
     drawn (batch-clustered; None for the reference, unpaired runs and single-batch validation)."""
     parity_band_kind: str | None
     """Which null band judged it: "numerics" (its batches are the reference's: the reference re-run
-    with the rows of each batch permuted), "order" (another order inside the windows), or None."""
+    with the rows of each batch permuted), "precision" (the same, re-run in its precision),
+    "precision+update" (that band's unjudged turned by the update check), "order" (another order
+    inside the windows), "order+check", "check" or "twin+check" (see `_band_kind`), or None."""
     parity_tolerance: float | None
     """The allowed gap its verdict used (None: a band without re-runs, which allows no gap and fails
     none: the batching check or the twin decided)."""

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import decisions, machine
-from ..bench import curve_check
+from ..bench import curve_check, update_check
 from ..bench.batching_check import batching_only, vouch
 from ..bench.runner import run_bench, same_batches
 from ..parity import (
@@ -430,8 +430,15 @@ def optimize(
             if used is band:  # batched differently: a change of batching alone is vouched by the check
                 # (against the stage's best, which was judged when it was kept)
                 verdict = vouch(verdict, check, batching_only(best_recipe, recipe))
+            updates = getattr(c, "update_check", None) or {}
+            if own and used is same_batch_band:  # its precision's band: the update check vouches or fails
+                verdict = update_check.vouch(
+                    verdict, updates, update_check.precision_only(best_recipe, recipe)
+                )
             verdict = short_run(verdict, cur.steps, min_steps)
             if check.get("passed") is False:  # its data path is not the reference's computation
+                verdict = "fail"
+            if updates.get("passed") is False:  # its steps do not move the weights as the best's do
                 verdict = "fail"
             trajectory = _curve_row(c, cur, same_batch_curve) if same_batches(best_recipe, recipe) else None
             if trajectory is not None and not trajectory["passed"]:
@@ -444,6 +451,11 @@ def optimize(
                 cand.verdict = (
                     f"rejected: batching check: fed the reference's documents and final weights, its "
                     f"batches give a loss {check['gap'] or float('inf'):.2%} off (> {check['tolerance']:.2%})"
+                )
+            elif updates.get("passed") is False:
+                cand.verdict = (
+                    f"rejected: update check: from the best's final weights, its steps change them "
+                    f"{updates['median_error']:.1%} off the best's (> {updates['tolerance']:.1%})"
                 )
             elif trajectory is not None and not trajectory["passed"]:
                 cand.verdict = (
