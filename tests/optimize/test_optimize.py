@@ -349,10 +349,10 @@ def test_a_change_of_precision_is_judged_on_that_precisions_band_in_every_later_
     the reference re-run in bf16 moves by itself (its band, 0.59%, measured by the precision stage's
     run). It is kept; the fused optimizer on top of it is judged on the same bf16 band, though the
     optimizer stage's run (its best already in bf16) measures none. Where bf16's own re-runs spread
-    ~1%, bf16 is unjudged, not failed."""
+    ~1%, bf16 is unjudged, not failed, unless its update check vouches for it (or fails it)."""
     machine_like(bf16=0.9, fp16=0.5)
 
-    def optimize(figures, bf16_band):
+    def optimize(figures, bf16_band, update_check=None):
         plain = fake_bench(figures, [], null_losses=[3.0, 3.09, 2.95, 3.05, 2.97])
 
         def run(workload, specs, **kwargs):
@@ -360,6 +360,8 @@ def test_a_change_of_precision_is_judged_on_that_precisions_band_in_every_later_
             res.method["parity_numerics_band"] = {"val_losses": [3.0, 3.0001], "source": "row order"}
             for c in res.contenders:
                 c.precision = "bf16" if "precision.dtype=bf16" in c.name else "fp32"
+                judged_on_bf16 = c.precision == "bf16" and res.contenders[0].precision == "fp32"
+                c.update_check = update_check if judged_on_bf16 else None
             if res.contenders[0].precision == "fp32" and any(c.precision == "bf16" for c in res.contenders):
                 res.method["parity_precision_bands"] = {
                     "bf16": {"validation": {"val_losses": bf16_band, "source": "in bf16"},
@@ -386,3 +388,16 @@ def test_a_change_of_precision_is_judged_on_that_precisions_band_in_every_later_
     res, by = optimize(figures, [3.0, 3.03, 2.97])  # bf16's own arithmetic moves the loss ~1%
     assert by["precision.dtype=bf16"].parity == "unjudged"
     assert by["precision.dtype=bf16"].verdict.startswith("rejected: parity unjudged")
+    # one step from the best's state moves the weights as its step does: vouched, and kept
+    res, by = optimize(figures, [3.0, 3.03, 2.97], {"median_error": 0.003, "tolerance": 0.02, "passed": True})
+    assert by["precision.dtype=bf16"].parity == "pass" and res.best_spec.startswith(
+        "baseline+precision.dtype=bf16"
+    )
+    # updates lost to rounding: rejected on the check, whatever its loss (here within the 0.2% floor)
+    lost = {"median_error": 0.14, "tolerance": 0.02, "passed": False}
+    res, by = optimize({**figures, "precision.dtype=bf16": (200.0, 1.0, 3.001)}, [3.0, 3.0015, 2.999], lost)
+    assert by["precision.dtype=bf16"].parity == "fail"
+    assert by["precision.dtype=bf16"].verdict == (
+        "rejected: update check: from the best's final weights, its steps change them 14.0% off the best's (> 2.0%)"
+    )
+    assert "precision.dtype=bf16" not in res.best_spec
