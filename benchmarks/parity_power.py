@@ -191,6 +191,9 @@ def summarise(runs: list[dict]) -> dict:
             if c["parity"] in ("pass", "fail", "unjudged"):
                 s[c["parity"]] += 1
             s["gaps"].append(c["parity_gap"])
+            update = (c.get("update_check") or {}).get("median_error")
+            if update is not None:
+                s.setdefault("update_errors", []).append(update)
     for s in out.values():
         s["median_gap"] = float(np.median(s["gaps"]))
         s["max_gap"] = float(np.max(s["gaps"]))
@@ -263,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             write_json(Path(args.json), payload)
     for label, s in summarise(runs).items():
         print(f"{label:30} {s['kind']:9} pass {s['pass']}/{s['runs']} fail {s['fail']}/{s['runs']} "
-              f"unjudged {s['unjudged']}/{s['runs']} median gap {s['median_gap']:.3%}")  # fmt: skip
+              f"unjudged {s['unjudged']}/{s['runs']} median gap {s['median_gap']:.3%}"
+              + (f"; update error {min(s['update_errors']):.2%}-{max(s['update_errors']):.2%}"
+                 if s.get("update_errors") else ""))  # fmt: skip
     return 0
 
 
