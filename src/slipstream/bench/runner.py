@@ -584,6 +584,18 @@ def _band_kind(same_batch: str | None, vouched: bool, twinned: bool, order_runs:
     return "order"
 
 
+def _host_copy(obj: Any) -> Any:
+    """`obj` (a state dict: nested dicts and lists of tensors and numbers) with every tensor copied
+    to host memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj
+
+
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -1012,9 +1024,9 @@ def run_bench(
             if not update_start:
                 ref = contenders[0]
                 module = getattr(ref.model, "_orig_mod", ref.model)
-                start = {
-                    "model": {k: v.detach().clone() for k, v in module.state_dict().items()},
-                    "optimizer": copy.deepcopy(ref.optimizer.state_dict()),
+                start = {  # on the host: a copy of the optimizer's state beside it could not fit a GPU
+                    "model": _host_copy(module.state_dict()),
+                    "optimizer": _host_copy(ref.optimizer.state_dict()),
                 }
                 batches = [b for b, _ in ref.window_batches(raw=True)][: update_check.UPDATE_STEPS]
                 updates = ref.step_updates(start["model"], start["optimizer"], batches)
