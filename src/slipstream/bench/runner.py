@@ -11,6 +11,7 @@ Method (torch.utils.benchmark / MLPerf style):
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import threading
@@ -584,18 +585,6 @@ def _band_kind(same_batch: str | None, vouched: bool, twinned: bool, order_runs:
     return "order"
 
 
-def _host_copy(obj: Any) -> Any:
-    """`obj` (a state dict: nested dicts and lists of tensors and numbers) with every tensor copied
-    to host memory."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v) for v in obj)
-    return obj
-
-
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -1016,27 +1005,12 @@ def run_bench(
         ref_model = getattr(contenders[0], "model", None)
         ref_state = getattr(ref_model, "_orig_mod", ref_model).state_dict() if ref_model is not None else {}
         ref_batches: list[tuple[Batch, int]] = []
-        update_start: dict[str, Any] = {}
+        reference_step = functools.cache(lambda: update_check.ReferenceStep.take(contenders[0]))
 
         def update_row(c: RecipeContender) -> dict[str, Any]:
-            """The update check's row for `c` (slipstream.bench.update_check). The reference's own
-            steps are taken once, from a copy of its final state, which it gets back after."""
-            if not update_start:
-                ref = contenders[0]
-                module = getattr(ref.model, "_orig_mod", ref.model)
-                start = {  # on the host: a copy of the optimizer's state beside it could not fit a GPU
-                    "model": _host_copy(module.state_dict()),
-                    "optimizer": _host_copy(ref.optimizer.state_dict()),
-                }
-                batches = [b for b, _ in ref.window_batches(raw=True)][: update_check.UPDATE_STEPS]
-                updates = ref.step_updates(start["model"], start["optimizer"], batches)
-                module.load_state_dict(start["model"])  # ref_state holds these tensors: restored
-                ref.optimizer.load_state_dict(copy.deepcopy(start["optimizer"]))
-                update_start.update(start=start, updates=updates, batches=batches)
+            """The update check's row for `c` (the reference's step is taken once, when first needed)."""
             say(f"update check {c.name}")
-            return update_check.check_updates(
-                c, update_start["updates"], update_start["start"], update_start["batches"]
-            )
+            return reference_step().check(c)
 
         results: list[ContenderResult] = []
         warnings: list[str] = []

@@ -31,6 +31,7 @@ of its precision's own spread, which the band measured. A fail of the band itsel
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from dataclasses import dataclass, replace
@@ -89,15 +90,50 @@ def update_errors(
     return out
 
 
-def check_updates(contender, reference_updates: dict[str, torch.Tensor], start: dict, batches: list) -> dict:
-    """The check's row for `contender` (a RecipeContender, after its validation and batching check:
-    its weights and optimizer state are replaced): `UpdateCheck.to_dict()`, or `skipped` with why it
-    could not run (parameters that are not the reference's)."""
-    try:
-        updates = contender.step_updates(start["model"], start["optimizer"], batches)
-    except (RuntimeError, KeyError, ValueError) as err:
-        return {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-    return UpdateCheck(update_errors(updates, reference_updates)).to_dict()
+def host_copy(obj: Any) -> Any:
+    """`obj` (a state dict: nested dicts and lists of tensors and numbers) with every tensor copied
+    to host memory: a copy of a model's optimizer state beside it could not fit a GPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class ReferenceStep:
+    """The reference's side of the check, taken once per benchmark: its final state (host copies),
+    the batches both sides step on, and its own weight change over them."""
+
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    batches: list
+    updates: dict[str, torch.Tensor]
+
+    @classmethod
+    def take(cls, reference) -> ReferenceStep:
+        """Step `reference` (a RecipeContender, after its validation) from a copy of its final state,
+        then give it that state back: the batching check reads its final weights after this."""
+        module = getattr(reference.model, "_orig_mod", reference.model)
+        model_state = host_copy(module.state_dict())
+        optimizer_state = host_copy(reference.optimizer.state_dict())
+        batches = [b for b, _ in reference.window_batches(raw=True)][:UPDATE_STEPS]
+        updates = reference.step_updates(model_state, optimizer_state, batches)
+        module.load_state_dict(model_state)
+        reference.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        return cls(model_state, optimizer_state, batches, updates)
+
+    def check(self, contender) -> dict[str, Any]:
+        """The check's row for `contender` (a RecipeContender, after its validation and batching
+        check: its weights and optimizer state are replaced): `UpdateCheck.to_dict()`, or `skipped`
+        with why it could not run (parameters that are not the reference's)."""
+        try:
+            updates = contender.step_updates(self.model_state, self.optimizer_state, self.batches)
+        except (RuntimeError, KeyError, ValueError) as err:
+            return {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+        return UpdateCheck(update_errors(updates, self.updates)).to_dict()
 
 
 def failure_note(name: str, precision: str, row: dict[str, Any]) -> str:
@@ -127,9 +163,10 @@ def vouch(verdict: str, row: dict[str, Any] | None, changes_precision_only: bool
 __all__ = [
     "UPDATE_STEPS",
     "UPDATE_TOLERANCE",
+    "ReferenceStep",
     "UpdateCheck",
-    "check_updates",
     "failure_note",
+    "host_copy",
     "precision_only",
     "update_errors",
     "vouch",
