@@ -71,3 +71,24 @@ def test_killed_worker_leaves_a_failed_trial_and_the_other_finishes(tmp_path):
     survivor = _start(url, "crash", n, 0.2)
     assert survivor.wait(timeout=300) == 0
     assert_killed_worker_failed_and_survivor_finished(url, "crash", doomed.pid, survivor.pid, n)
+
+
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_not_waited_on(tmp_path):
+    """A worker killed after Optuna created its trial but before the trial's first heartbeat (while
+    the sampler draws) left a RUNNING trial with no beat, which Optuna never calls stale: a resumed
+    worker counted it as running and waited forever (a `tune` resume once stalled so)."""
+    from slipstream.tune.search import open_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = open_storage(url, tmp_path, heartbeat_interval=1, grace_period=2)
+    orphan = optuna.create_study(study_name="orphan", storage=storage).ask()  # RUNNING, never beaten
+    n = 2
+    survivor = _start(url, "orphan", n, 0.0)
+    try:
+        assert survivor.wait(timeout=120) == 0
+    finally:
+        survivor.kill()  # a no-op once it has exited; a worker left waiting must not outlive the test
+    trials = _trials(url, "orphan")
+    assert trials[orphan.number].state == TrialState.FAIL
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == n
+    assert not any(t.state == TrialState.RUNNING for t in trials)

@@ -181,6 +181,24 @@ def _space_signature(space: Sequence[ParamSpec]) -> list[str]:
 FINISHED = ("COMPLETE", "PRUNED")
 
 
+def _adopt_unbeaten(storage: Any, trials: Sequence[Any], adopted: set[int]) -> None:
+    """Beat once for each running trial not seen before, so one without a heartbeat can turn stale.
+
+    Why: a worker killed after Optuna created its trial (RUNNING) but before the first heartbeat
+    (while the sampler draws relative parameters, which takes seconds for the GP sampler) leaves a
+    trial Optuna never calls stale, since it has no beat to age, and the survivors wait on it
+    forever (seen once as a resumed `tune` that stalled). Called under the study lock, where every
+    live worker's running trial has already beaten: one beat more for a live trial is harmless, and
+    a dead one is failed (and retried) a grace period later. Once per trial, so a dead trial's own
+    stale beat is renewed at most once."""
+    from optuna.trial import TrialState
+
+    for t in trials:
+        if t.state == TrialState.RUNNING and t._trial_id not in adopted:
+            storage.record_heartbeat(t._trial_id)
+            adopted.add(t._trial_id)
+
+
 def run_study(
     objective: Callable[[Any], float],
     space: Sequence[ParamSpec],
@@ -201,7 +219,8 @@ def run_study(
     Several processes may call this with the same `study_name` and storage: each one runs trials
     until the study has `n_trials` finished (complete or pruned) ones, counting other workers'
     running trials; with a heartbeat storage it waits for those and takes over when one goes
-    stale (its worker died: the trial is marked FAILED). Resuming is the same call again.
+    stale (its worker died: the trial is marked FAILED; one that died before its first heartbeat
+    is given one, so it turns stale too). Resuming is the same call again.
     `enqueue` puts one parameter set first (the base recipe, for comparison) in a new study.
     Returns (study, method choice)."""
     optuna = require_optuna()
@@ -237,6 +256,7 @@ def run_study(
 
     lock = StudyLock(storage, study_name)
     seeded = False
+    adopted: set[int] = set()
 
     def wrapped(trial: Any) -> float:
         if heartbeat:
@@ -268,6 +288,8 @@ def run_study(
                     optuna.storages.fail_stale_trials(study)
             lock.acquire()  # count and ask under the lock: see StudyLock
             trials = study.get_trials(deepcopy=False)
+            if heartbeat and lock.exclusive:
+                _adopt_unbeaten(storage, trials, adopted)
             finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
             running = sum(t.state == TrialState.RUNNING for t in trials)
             if finished >= n_trials or study.user_attrs.get("slipstream_fibonacci_finished"):

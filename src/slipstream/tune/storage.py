@@ -224,6 +224,12 @@ class StudyLock:
             time.sleep(0.05)
         self.held = True
 
+    @property
+    def exclusive(self) -> bool:
+        """Held, and a real lock: while it is, no live worker is between creating a trial and
+        its first heartbeat (workers beat before they release it)."""
+        return self.held and self.kind != "none"
+
     def release(self) -> None:
         if not self.held:
             return
