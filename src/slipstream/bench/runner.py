@@ -342,6 +342,16 @@ class RecipeContender(LoopContender):
             out.append((batch if raw else self.step_inputs(batch), int(batch.real_tokens)))
         return out
 
+    def load_state(
+        self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+    ) -> torch.nn.Module:
+        """Load `model_state` and `optimizer_state` (which stay untouched) into this contender's
+        model and optimizer; returns the eager module (no recompile for the few steps that follow)."""
+        module = getattr(self.model, "_orig_mod", self.model)
+        module.load_state_dict(model_state)
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # it would alias same-dtype state
+        return module
+
     def step_updates(
         self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], batches: list[Batch]
     ) -> dict[str, torch.Tensor]:
@@ -351,9 +361,7 @@ class RecipeContender(LoopContender):
         its loss scaling and clipping, at the learning rate each group started at (no schedule) and a
         fixed RNG seed. Overwrites its weights and optimizer state: call it after its validation
         (the update check); its step records are left as they were."""
-        module = getattr(self.model, "_orig_mod", self.model)  # eager: no recompile for one step
-        module.load_state_dict(model_state)
-        self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # it would alias same-dtype state
+        module = self.load_state(model_state, optimizer_state)
         for group in self.optimizer.param_groups:
             group["lr"] = group.get("initial_lr", group["lr"])  # a decayed schedule could be at ~0
         before = {n: p.detach().float().clone() for n, p in module.named_parameters()}
