@@ -190,11 +190,14 @@ def test_tune_killed_mid_study_and_mid_write_resumes(tmp_path):
     summary = json.loads((run_dir / "result.json").read_text())
     states = summary["states"]
     assert states["COMPLETE"] + states["PRUNED"] >= 3 and states["RUNNING"] == 0
-    # the trial the first kill interrupted: FAILED by its heartbeat, then run again with its params
+    # the trial the first kill interrupted: FAILED by its heartbeat, then run again with its params;
+    # one killed before it drew any (Optuna creates the trial, then the sampler draws) has none to
+    # keep, and its re-run draws fresh ones (CI once landed the kill there)
     failed = [t for t in summary["trials"] if t["state"] == "FAIL"]
     assert len(failed) <= 1
     for t in failed:
-        assert any(r["params"] == t["params"] and r["state"] != "FAIL" for r in summary["trials"])
+        if t["params"]:
+            assert any(r["params"] == t["params"] and r["state"] != "FAIL" for r in summary["trials"])
     assert summary["base"] is not None  # the base recipe's trial is never lost to a kill
     assert json.loads((run_dir / "out.json").read_text()) == summary
     assert (run_dir / "history.png").exists() and (run_dir / "best.toml").exists()

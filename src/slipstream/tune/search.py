@@ -14,7 +14,7 @@ Methods (`method=`):
 Storage: `None` -> SQLite file `study.db` in the run folder (embedded; several local workers can
 share it); `sqlite:///...`, `postgresql://...`, `mysql://...` -> Optuna's RDBStorage with a heartbeat,
 so a killed worker's trial turns FAILED after the grace period, is queued once more with the same
-parameters, and the others go on; a path ending
+parameters (one killed before it drew any is queued to draw afresh), and the others go on; a path ending
 in `.journal` (or `journal:PATH`) -> Optuna's journal file (no heartbeat: a killed worker's trial
 stays RUNNING).
 """
