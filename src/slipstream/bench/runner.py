@@ -25,7 +25,7 @@ import torch
 
 from ..decisions import Decision
 from ..metrics import dynamo_graph_count
-from ..models import loss_of
+from ..models import loss_of, unwrap
 from ..parity import (
     DEFAULT_PARITY_TOLERANCE,
     PARITY_RESOLUTION,
@@ -342,12 +342,18 @@ class RecipeContender(LoopContender):
             out.append((batch if raw else self.step_inputs(batch), int(batch.real_tokens)))
         return out
 
+    @property
+    def eager_module(self) -> torch.nn.Module:
+        """The model under torch.compile's wrapper: the checks' few steps and forwards run eager, as
+        a recompile for them would cost more than they do."""
+        return unwrap(self.model)
+
     def load_state(
         self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
     ) -> torch.nn.Module:
         """Load `model_state` and `optimizer_state` (which stay untouched) into this contender's
-        model and optimizer; returns the eager module (no recompile for the few steps that follow)."""
-        module = getattr(self.model, "_orig_mod", self.model)
+        model and optimizer; returns the eager module."""
+        module = self.eager_module
         module.load_state_dict(model_state)
         self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # it would alias same-dtype state
         return module
@@ -392,7 +398,7 @@ class RecipeContender(LoopContender):
         """Mean loss per predicted token over each of `batch_lists` (as `window_batches` gives them),
         with `state`'s weights loaded once into this contender's model, in its precision, without
         gradients. Overwrites its weights: call it after its validation (the batching check)."""
-        module = getattr(self.model, "_orig_mod", self.model)  # eager: no recompile for no_grad
+        module = self.eager_module
         module.load_state_dict(state)
         means = []
         with torch.no_grad():
@@ -1011,7 +1017,7 @@ def run_bench(
         min_steps = min_judged_steps(parity_steps)
         too_short: list[str] = []
         ref_model = getattr(contenders[0], "model", None)
-        ref_state = getattr(ref_model, "_orig_mod", ref_model).state_dict() if ref_model is not None else {}
+        ref_state = unwrap(ref_model).state_dict() if ref_model is not None else {}
         ref_batches: list[tuple[Batch, int]] = []
         reference_step = functools.cache(lambda: update_check.ReferenceStep.take(contenders[0]))
 

@@ -115,8 +115,7 @@ class ReferenceStep:
     def take(cls, reference) -> ReferenceStep:
         """Step `reference` (a RecipeContender, after its validation) from a copy of its final state,
         then give it that state back: the batching check reads its final weights after this."""
-        module = getattr(reference.model, "_orig_mod", reference.model)
-        model_state = host_copy(module.state_dict())
+        model_state = host_copy(reference.eager_module.state_dict())
         optimizer_state = host_copy(reference.optimizer.state_dict())
         batches = [b for b, _ in reference.window_batches(raw=True)][:UPDATE_STEPS]
         updates = reference.step_updates(model_state, optimizer_state, batches)
