@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from .models import is_hf_model
+from .models import is_hf_model, unwrap
 from .recipe import RecipeError
 
 MARKER = "slipstream_export.json"
@@ -45,7 +45,7 @@ def export_model(
 ) -> Path:
     """Write `model` (and `tokenizer`: a transformers tokenizer, or a `tokenizers.Tokenizer`) to
     `out_dir`. `factory` (`module:function`) is recorded for plain modules so they can be rebuilt."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper would prefix every key
+    model = unwrap(model)  # torch.compile's wrapper would prefix every key
     out = check_export_dir(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))

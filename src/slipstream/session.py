@@ -34,7 +34,7 @@ from .dataflow import PrefetchLoader
 from .decisions import Decision
 from .distributed.env import DistEnv, agree, init_process_group, local_device
 from .metrics import MetricsSummary, MetricsTracker
-from .models.convention import SHIFTED, BatchConvention, detect_convention, is_hf_model, loss_of
+from .models.convention import SHIFTED, BatchConvention, detect_convention, is_hf_model, loss_of, unwrap
 from .optimizers import Params, build_optimizer, resolve_optimizer_impl
 from .precision import LossScaler, resolve_precision, resolve_precision_decision
 from .recipe import KernelsConfig, Recipe, RecipeError, check_field
@@ -108,7 +108,7 @@ def _vocab_size(model: nn.Module | None) -> int | None:
     built-in GPT's wte), so the loader refuses ids it cannot look up; None when unknown."""
     if model is None:
         return None
-    model = getattr(model, "_orig_mod", model)
+    model = unwrap(model)
     get = getattr(model, "get_input_embeddings", None)
     try:
         emb = get() if callable(get) else getattr(model, "wte", model)
@@ -470,7 +470,7 @@ class Session:
         """Tokens per batch by the knee of measured tokens/s on this model (slipstream.batch_size)."""
         from .batch_size import find_knee, step_timer
 
-        model = getattr(self.local_model, "_orig_mod", self.local_model)  # eager: a trial must not compile
+        model = unwrap(self.local_model)  # eager: a trial must not compile
 
         def batches_at(tokens: int):
             return self._trial_loader(sequences, replace(cfg, tokens_per_batch=tokens), pad_id, lengths)
@@ -600,7 +600,7 @@ class Session:
         if self.dist.active and self.recipe.distributed.strategy == "fsdp":
             # A trial on sharded parameters would run collectives a time limit could leave unmatched.
             return Decision("shapes.mode", "pack", "fsdp: not measured (packing is exact for this model)")
-        model = getattr(self.local_model, "_orig_mod", self.local_model)  # eager: a trial must not compile
+        model = unwrap(self.local_model)  # eager: a trial must not compile
         loaders = {
             mode: self._trial_loader(sequences, replace(cfg, mode=mode), pad_id, lengths)
             for mode in ("bucket", "pack")

@@ -39,7 +39,7 @@ from .distributed.checkpoint import (
 )
 from .distributed.env import DistEnv, all_reduce_sum, destroy_process_group, gather_floats, rank_failure
 from .metrics import MetricsSummary
-from .models import loss_of
+from .models import loss_of, unwrap
 from .presets import resolve_recipe
 from .recipe import Recipe, RecipeError
 from .session import Session
@@ -339,7 +339,7 @@ def _train(
                 load_named_dcp(existing, parts.named, optimizer, parts.aliases)
             elif saved.get("layout") == NAMED_LAYOUT:
                 # a pipeline's checkpoint, continued without stages: the whole model reads every name
-                load_named_dcp(existing, dict(_raw_model(local_module(model)).named_parameters()), optimizer)
+                load_named_dcp(existing, dict(unwrap(local_module(model)).named_parameters()), optimizer)
             else:
                 load_dcp(existing, model, optimizer)
         elif parts is not None:
@@ -347,7 +347,7 @@ def _train(
         elif env.active:
             load_full(saved, model, optimizer)  # a 1-process checkpoint into N ranks
         else:
-            _raw_model(model).load_state_dict(saved["model"])
+            unwrap(model).load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])
         session.load_state_dict(saved["session"])
         loader.load_state_dict(saved["loader"])
@@ -380,7 +380,7 @@ def _train(
             if env.is_main:
                 ckpt_path.unlink(missing_ok=True)  # type: ignore[union-attr]  # superseded
             return
-        state.update(model=_raw_model(model).state_dict(), optimizer=optimizer.state_dict())
+        state.update(model=unwrap(model).state_dict(), optimizer=optimizer.state_dict())
         save_checkpoint(ckpt_path, state)  # type: ignore[arg-type]
         shutil.rmtree(folder / DCP_NAME, ignore_errors=True)  # superseded by the 1-process file
 
@@ -485,7 +485,7 @@ def _train(
         metrics=metrics,
         checkpoint=str(ckpt_path) if ckpt_path else None,
         resumed_from_step=start_step if saved is not None else None,
-        parameters=sum(p.numel() for p in _raw_model(local_module(model)).parameters()),
+        parameters=sum(p.numel() for p in unwrap(local_module(model)).parameters()),
         extra={"rank": env.rank, "world_size": env.world_size},
     )
     if export_dir is not None:  # the trained model (+ tokenizer), loadable without slipstream's loop
@@ -493,11 +493,6 @@ def _train(
 
         export_workload_model(model, export_dir, workload)
     return result
-
-
-def _raw_model(model: nn.Module) -> nn.Module:
-    """The module whose state_dict keys are stable (torch.compile's wrapper adds a prefix)."""
-    return getattr(model, "_orig_mod", model)
 
 
 def _rank_figures(env: DistEnv, step_lengths: list[float], tokens: int, seconds: float) -> dict[str, Any]:

@@ -7,14 +7,15 @@ from typing import Any
 
 import torch
 
+from ..models import unwrap
+
 
 def model_flops_per_token(model: Any, row_len: int) -> float:
     """Training FLOPs per token: the model's own formula when it has one (the built-in GPT counts
     attention, 6N + 12·L·d·T), else 6 x its parameters; 0 without a model."""
     if model is None:
         return 0.0
-    model = getattr(model, "module", model)
-    model = getattr(model, "_orig_mod", model)
+    model = unwrap(getattr(model, "module", model))
     own = getattr(model, "flops_per_token", None)
     if callable(own) and row_len:
         return float(own(row_len))

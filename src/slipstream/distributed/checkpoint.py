@@ -21,6 +21,7 @@ from torch import nn
 
 from ..checkpoint import CHECKPOINT_FORMAT, CheckpointError
 from ..files import fsync_dir
+from ..models import unwrap
 from .env import DistEnv
 
 DCP_NAME = "checkpoint.dcp"
@@ -134,8 +135,7 @@ def load_full(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Op
     """A 1-process checkpoint (full tensors, optimizer state keyed by position) into N ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    raw = getattr(model, "module", model)
-    raw = getattr(raw, "_orig_mod", raw)
+    raw = unwrap(getattr(model, "module", model))
     names = {id(p): n for n, p in raw.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     plain = saved["optimizer"]

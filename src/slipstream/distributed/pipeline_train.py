@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models import unwrap
 from ..optimizers import build_param_groups
 from ..recipe import RecipeError
 from ..session import Session
@@ -37,7 +38,7 @@ def prepare_pipeline(session: Session, model: nn.Module, total_steps: int) -> Pi
 
     cfg = session.recipe.distributed
     env = session.dist
-    raw = getattr(session.prepare_model(model), "_orig_mod", model)
+    raw = unwrap(session.prepare_model(model))
     if not isinstance(raw, GPT):
         raise RecipeError(
             f"distributed.strategy=pipeline splits the built-in GPT only, not {type(raw).__name__}; "

@@ -8,18 +8,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..models import unwrap
 from ..recipe import DistributedConfig, RecipeError
 from .env import DistEnv
-
-
-def _raw(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP shards one by one (so only one block's parameters are gathered at
     a time): the built-in GPT's `blocks`, a Hugging Face model's decoder layers."""
-    raw = _raw(model)
+    raw = unwrap(model)
     for path in ("blocks", "model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
         obj: object = raw
         for part in path.split("."):
@@ -54,7 +51,7 @@ def apply_data_parallel(
         blocks = transformer_blocks(model)
         for block in blocks:
             fully_shard(block, mp_policy=policy)
-        fully_shard(_raw(model), mp_policy=policy)
+        fully_shard(unwrap(model), mp_policy=policy)
         return model
     raise RecipeError(
         f"distributed.strategy={cfg.strategy} is run by slipstream.distributed.pipeline, not wrapped; "
@@ -77,8 +74,8 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     elif is_ddp(model):
         with model.no_sync():  # type: ignore[operator]
             yield
-    elif hasattr(_raw(model), "set_requires_gradient_sync"):
-        fsdp = _raw(model)
+    elif hasattr(unwrap(model), "set_requires_gradient_sync"):
+        fsdp = unwrap(model)
         fsdp.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
