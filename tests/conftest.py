@@ -18,6 +18,13 @@ if not torch.cuda.is_available():
 # Tests of the step budget itself pass parity_steps explicitly.
 os.environ.setdefault("SLIPSTREAM_PARITY_STEPS", "1")
 
+# transformers binds its log handler to sys.stderr at its first message. Were that inside a capsys
+# test, every later transformers warning would go to that test's closed stream, and the next test
+# that reads its own stderr would find "--- Logging error ---" there. Bind it now, to the suite's.
+from transformers.utils import logging as _hf_logging  # noqa: E402
+
+_hf_logging.get_logger("transformers")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -68,3 +68,58 @@ def test_recipe_save_and_fields(tmp_path, capsys):
     assert 'dtype = "bf16"' in path.read_text()
     assert main(["recipe", "--fields"]) == 0
     assert "shapes.max_len" in capsys.readouterr().out
+
+
+def _entry_points():
+    from slipstream.profile.cli import main as profile_main
+    from slipstream.serve.cli import main as serve_main
+    from slipstream.tune.cli import main as tune_main
+
+    return [
+        ("slipstream", main, ["bench"], "bench"),
+        ("serve.cli", serve_main, ["quantize-eval"], "quantize-eval"),
+        ("tune.cli", tune_main, ["lr-find"], "lr-find"),
+        ("profile.cli", profile_main, [], "profile"),
+    ]
+
+
+@pytest.mark.parametrize("entry", range(4), ids=[e[0] for e in _entry_points()])
+def test_every_entry_point_refuses_an_unwritable_output_before_any_work(entry, tmp_path, capsys):
+    """`python -m slipstream.{serve,tune,profile}.cli` run commands as `slipstream` does: the same
+    checks and one line on stderr, exit 2, not a traceback at the end of a long run."""
+    _, entry_main, argv, name = _entry_points()[entry]
+    assert entry_main([*argv, "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"slipstream {name}: error: --json {tmp_path} is a folder; give a file path such as {tmp_path / 'out.json'}"
+    )
+
+
+def test_interrupt_and_refused_path_exits(monkeypatch, capsys):
+    import slipstream.tune.cli as tune_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune_cli, "cmd_tune", interrupted)
+    assert tune_cli.main(["tune", "--objective", "quadratic"]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "slipstream tune: interrupted (the study keeps its trials; run again to resume)"
+    )
+
+    def refused(args):
+        raise PermissionError(13, "Permission denied", "/ro/study.db")
+
+    monkeypatch.setattr(tune_cli, "cmd_tune", refused)
+    assert tune_cli.main(["tune", "--objective", "quadratic"]) == 2
+    assert (
+        "slipstream tune: error: /ro/study.db: Permission denied; check the path" in capsys.readouterr().err
+    )
+
+    def bug(args):
+        raise OSError("no file involved")
+
+    monkeypatch.setattr(tune_cli, "cmd_tune", bug)
+    with pytest.raises(OSError, match="no file involved"):  # a bug keeps its traceback
+        tune_cli.main(["tune", "--objective", "quadratic"])

@@ -11,9 +11,8 @@ from typing import Any
 from .commands import (
     add_command,
     add_workload_arguments,
-    check_output_paths,
     progress_printer,
-    resolve_workload,
+    run_command,
 )
 from .files import write_json
 from .presets import resolve_recipe
@@ -510,32 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError
-    from .distributed.env import RankFailure
-    from .workloads.corpus import CorpusError
-
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    try:
-        resolve_workload(args)
-        check_output_paths(args)
-        return args.fn(args)
-    except (RecipeError, CheckpointError, CorpusError, FloatingPointError, RankFailure) as err:
-        print(f"slipstream {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        if err.filename is None:
-            raise  # not about a file the user named: a bug, keep its traceback
-        # A path the user gave that the OS refused (permissions, a read-only or missing mount)
-        print(
-            f"slipstream {args.command}: error: {err.filename}: {err.strerror}; check the path",
-            file=sys.stderr,
-        )
-        return 2
-    except KeyboardInterrupt:
-        print(f"slipstream {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,35 @@ def check_output_paths(args: argparse.Namespace) -> None:
             raise RecipeError(f"--{flag} {value}: cannot write in {parent}; give a path you can write to")
 
 
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command's handler (`args.fn`) as every entry point does (`slipstream`, and
+    `python -m slipstream.{serve,tune,profile}.cli`): bad input, a refused path or a failed rank
+    is one line on stderr and exit 2, Ctrl-C is exit 130 with the command's `on_interrupt` hint;
+    anything else is a bug and keeps its traceback."""
+    from .checkpoint import CheckpointError
+    from .distributed.env import RankFailure
+    from .workloads.corpus import CorpusError
+
+    name = getattr(args, "command", None) or "command"
+    try:
+        resolve_workload(args)
+        check_output_paths(args)
+        return args.fn(args)
+    except (RecipeError, CheckpointError, CorpusError, FloatingPointError, RankFailure) as err:
+        print(f"slipstream {name}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.filename is None:
+            raise  # not about a file the user named: a bug, keep its traceback
+        # A path the user gave that the OS refused (permissions, a read-only or missing mount)
+        print(f"slipstream {name}: error: {err.filename}: {err.strerror}; check the path", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        hint = getattr(args, "on_interrupt", None)
+        print(f"slipstream {name}: interrupted" + (f" ({hint})" if hint else ""), file=sys.stderr)
+        return 130
+
+
 def workload_flags(workload: str, size: str) -> str:
     """The command-line flags that select `workload` (for printed commands a user can paste)."""
     if not workload.startswith("user:"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..commands import add_command, add_workload_arguments, resolve_workload
+from ..commands import add_command, add_workload_arguments, run_command
 
 DESCRIPTION = (
     "profile a few training steps (the built-in loop, or your script after `--`) and report where the "
@@ -101,21 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
-    p.set_defaults(fn=handler)
+    p.set_defaults(fn=handler, command="profile")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..recipe import RecipeError
-    from ..workloads.corpus import CorpusError
-
-    args = build_parser().parse_args(argv)
-    try:
-        resolve_workload(args)
-        return handler(args)
-    except (RecipeError, CorpusError) as err:
-        print(f"slipstream profile: error: {err}", file=sys.stderr)
-        return 2
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

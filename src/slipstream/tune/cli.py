@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..commands import add_command, add_workload_arguments, resolve_workload
+from ..commands import add_command, add_workload_arguments, run_command
 from ..files import write_json
 from ..presets import resolve_recipe
 from ..recipe import RecipeError
@@ -267,7 +267,7 @@ def add_parser(subparsers: Any) -> None:
         "--no-plots", action="store_true", help="skip the optimisation-history and importance plots"
     )
     p.add_argument("--json", help="write trials and best (params, value, recipe path) to this file")
-    p.set_defaults(fn=cmd_tune)
+    p.set_defaults(fn=cmd_tune, on_interrupt="the study keeps its trials; run again to resume")
 
     p = add(
         "lr-find",
@@ -288,21 +288,7 @@ def add_parser(subparsers: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slipstream", description="slipstream tuning commands")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    from ..workloads.corpus import CorpusError
-
-    args = parser.parse_args(argv)
-    try:
-        resolve_workload(args)
-        return args.fn(args)
-    except (RecipeError, CorpusError) as err:
-        print(f"slipstream {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(
-            f"slipstream {args.command}: interrupted (the study keeps its trials; run again to resume)",
-            file=sys.stderr,
-        )
-        return 130
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
