@@ -119,7 +119,7 @@ def run_command(args: argparse.Namespace) -> int:
     from .distributed.env import RankFailure
     from .workloads.corpus import CorpusError
 
-    name = getattr(args, "command", None) or "command"
+    name = args.command
     try:
         resolve_workload(args)
         check_output_paths(args)

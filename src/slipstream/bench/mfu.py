@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..distributed.wrap import local_module
 from ..models import unwrap
 
 
@@ -15,7 +16,7 @@ def model_flops_per_token(model: Any, row_len: int) -> float:
     attention, 6N + 12·L·d·T), else 6 x its parameters; 0 without a model."""
     if model is None:
         return 0.0
-    model = unwrap(getattr(model, "module", model))
+    model = unwrap(local_module(model))
     own = getattr(model, "flops_per_token", None)
     if callable(own) and row_len:
         return float(own(row_len))

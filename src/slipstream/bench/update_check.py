@@ -20,8 +20,8 @@ Measured on host B (AMD Zen 4, CPU, 2026-12-06; benchmarks/parity_update_probe.p
 own rows in benchmarks/parity_power.py runs, docs/bench.md method 5): after 100 fp32 steps, one
 step's median tensor error is ~6e-7 for fp32 with the rows permuted; in bench, 0.14-0.51% for bf16
 autocast and 11.7-23.8% for pure bf16 over GPT tiny (20 seeds), HF Llama tiny (20) and GPT small
-(20; seed 19 on an Intel Xeon with AMX-BF16, 2026-12-07). After 8 steps (the probe) autocast is 0.45-0.50% and pure bf16 9-11%: more steps separate
-them less, so the check takes one.
+(20; seed 19 on an Intel Xeon with AMX-BF16, 2026-12-07). After 8 steps (the probe) autocast is
+0.45-0.50% and pure bf16 9-11%: more steps separate them less, so the check takes one.
 
 A failed check fails the contender: its steps do not do what the reference's do. A passed check
 vouches for a plain recipe that changes precision alone when its precision band leaves it

@@ -23,6 +23,7 @@ from ..checkpoint import CHECKPOINT_FORMAT, CheckpointError
 from ..files import fsync_dir
 from ..models import unwrap
 from .env import DistEnv
+from .wrap import local_module
 
 DCP_NAME = "checkpoint.dcp"
 META_NAME = "meta.pt"
@@ -135,7 +136,7 @@ def load_full(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Op
     """A 1-process checkpoint (full tensors, optimizer state keyed by position) into N ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    raw = unwrap(getattr(model, "module", model))
+    raw = unwrap(local_module(model))
     names = {id(p): n for n, p in raw.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     plain = saved["optimizer"]

@@ -74,8 +74,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     elif is_ddp(model):
         with model.no_sync():  # type: ignore[operator]
             yield
-    elif hasattr(unwrap(model), "set_requires_gradient_sync"):
-        fsdp = unwrap(model)
+    elif hasattr(fsdp := unwrap(model), "set_requires_gradient_sync"):
         fsdp.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
